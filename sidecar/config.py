@@ -1,0 +1,186 @@
+"""Settings of ``kvguard sidecar`` and ``kvguard run``: values, defaults, validation.
+
+As uvicorn's ``Config``: the values and their defaults live here, in one place; the app
+(:func:`sidecar.app.create_app`) and the supervisor (:func:`sidecar.supervisor.run_supervisor`)
+receive a config object and never read the environment themselves.
+
+Both configs are pydantic-settings models with the ``KVGUARD_`` environment prefix, so
+``KVGUARD_VLLM_URL=...`` and ``--vllm-url ...`` set the same field (a flag wins over the
+environment). A bad value raises :class:`ConfigError`, whose message names the setting
+as both its environment variable and its flag, e.g.
+``invalid setting KVGUARD_POLL_INTERVAL (--poll-interval): must be > 0``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "DEFAULT_TERMINATION_LOG",
+    "ConfigError",
+    "SidecarConfig",
+    "SupervisorConfig",
+    "load",
+]
+
+DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
+
+
+class ConfigError(ValueError):
+    """A setting with a bad value. ``setting`` is the environment variable name."""
+
+    def __init__(self, setting: str, flag: str, reason: str) -> None:
+        self.setting = setting
+        self.flag = flag
+        self.reason = reason
+        super().__init__(f"invalid setting {setting} ({flag}): {reason}")
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVGUARD_", extra="ignore", frozen=True, validate_default=True
+    )
+
+
+class SidecarConfig(_Base):
+    """``kvguard sidecar``: where vLLM is, where the state dir is, where to listen.
+
+    Fields (env ``KVGUARD_<NAME>``, flag ``--<name-with-dashes>``):
+
+    - ``vllm_url``: vLLM's OpenAI server base URL; ``/health`` and ``/v1/models`` are polled.
+    - ``state_dir``: the shared state dir (``KVGUARD_STATE_DIR``); ``None`` serves only the
+      sidecar's own series.
+    - ``host`` / ``port``: where the sidecar listens (default ``0.0.0.0:9400``).
+    - ``poll_interval``: seconds between polls of vLLM's ``/health`` (default 0.2 s; /livez
+      turns 503 within ``poll_interval + health_timeout`` of vLLM failing its health check).
+    - ``health_timeout``: seconds one health request may take before it counts as failed.
+    - ``vllm_version``: reported in ``kvguard_build_info`` and /status; ``None`` reads it
+      from the newest fatal record, then the installed distribution (if any), else "unknown".
+    - ``policy``: the guard policy the engine runs with, as reported by /status; the same
+      ``KVGUARD_POLICY`` variable the in-engine plugin reads (``observe|guard|strict``).
+    - ``log_level``, ``log_json``: logging (configured once, by the CLI).
+    """
+
+    vllm_url: str = "http://127.0.0.1:8000"
+    state_dir: Path | None = None
+    host: str = "0.0.0.0"
+    port: int = Field(default=9400)
+    poll_interval: float = 0.2
+    health_timeout: float = 0.5
+    vllm_version: str | None = None
+    policy: str = "guard"
+    log_level: str = "info"
+    log_json: bool = True
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:8000")
+        return v.rstrip("/")
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError("must be in 0..65535")
+        return v
+
+    @field_validator("poll_interval")
+    @classmethod
+    def _poll(cls, v: float) -> float:
+        if not 0 < v <= 10:
+            raise ValueError("must be > 0 and <= 10 seconds")
+        return v
+
+    @field_validator("health_timeout")
+    @classmethod
+    def _timeout(cls, v: float) -> float:
+        if not 0 < v <= 30:
+            raise ValueError("must be > 0 and <= 30 seconds")
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in ("observe", "guard", "strict"):
+            raise ValueError("must be one of observe, guard, strict")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError("must be one of debug, info, warning, error, critical")
+        return v.lower()
+
+
+class SupervisorConfig(_Base):
+    """``kvguard run -- CMD ARGS...``: the child command and how to end it.
+
+    Fields:
+
+    - ``command``: the argv to run (required, non-empty; no environment variable).
+    - ``termination_log``: where the one-line cause goes (Kubernetes'
+      ``terminationMessagePath``, default ``/dev/termination-log``); skipped quietly when
+      it cannot be written.
+    - ``grace``: seconds between the first forwarded stop signal and SIGKILL to the
+      child's process group (default 30).
+    - ``state_dir``: ``KVGUARD_STATE_DIR``; wiped at start and exported to the child.
+      ``None`` disables fatal-record detection.
+    - ``fatal_wait``: after the child exits 0 unrequested, seconds to wait for a fatal
+      record to appear (an EngineCore may still be writing it), default 0.5.
+    """
+
+    command: tuple[str, ...] = ()
+    termination_log: Path = DEFAULT_TERMINATION_LOG
+    grace: float = 30.0
+    state_dir: Path | None = None
+    fatal_wait: float = 0.5
+
+    @field_validator("command")
+    @classmethod
+    def _cmd(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("no command given: kvguard run [OPTIONS] -- CMD [ARGS]...")
+        return v
+
+    @field_validator("grace")
+    @classmethod
+    def _grace(cls, v: float) -> float:
+        if not 0 <= v <= 3600:
+            raise ValueError("must be >= 0 and <= 3600 seconds")
+        return v
+
+    @field_validator("fatal_wait")
+    @classmethod
+    def _fatal_wait(cls, v: float) -> float:
+        if not 0 <= v <= 60:
+            raise ValueError("must be >= 0 and <= 60 seconds")
+        return v
+
+
+_FLAGS: dict[str, str] = {"command": "CMD"}
+
+
+def load(cls: type[_Base], **given: Any) -> Any:
+    """Build ``cls`` from the environment plus the non-``None`` keyword values.
+
+    Raises :class:`ConfigError` naming the first bad setting.
+    """
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    try:
+        return cls(**kwargs)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        reason = str(err["msg"]).removeprefix("Value error, ")
+        if field in _FLAGS:
+            raise ConfigError(_FLAGS[field], "argument", reason) from None
+        raise ConfigError("KVGUARD_" + field.upper(), "--" + field.replace("_", "-"), reason) from None

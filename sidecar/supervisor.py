@@ -1,0 +1,269 @@
+"""``kvguard run -- CMD ARGS...``: a tini-shaped PID-1 loop around vLLM.
+
+The loop, as tini's ``main``:
+
+1. Setup (before forking): block the forwarded signals and SIGCHLD so they are only
+   collected by :func:`signal.sigtimedwait`, never delivered to handlers; become a child
+   subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) so orphaned grandchildren (an EngineCore
+   whose API server was killed) are reparented to us and reaped; warn when neither PID 1
+   nor a subreaper. Wipe the state dir and export ``KVGUARD_STATE_DIR`` to the child.
+2. Spawn: ``os.posix_spawnp`` with the *original* signal mask, default dispositions for
+   the forwarded signals, and a new process group (``setpgroup=0``). A failed exec is
+   reported as 127 (not found) or 126 (not executable).
+3. Loop: wait up to :data:`TICK` seconds for a signal. SIGCHLD only leads to reaping;
+   SIGTERM/SIGINT/SIGHUP/SIGQUIT (and SIGUSR1/SIGUSR2/SIGWINCH) are forwarded to the main
+   child; the four stop signals also mark a *stop request* and start the grace clock.
+   When ``grace`` seconds have passed since the first stop request, SIGKILL goes to the
+   child's whole process group. Then ``os.waitpid(-1, WNOHANG)`` until nothing is left;
+   only the main child's status counts. Each reaped pid's live multiprocess gauge files
+   are removed (prometheus-client's ``mark_process_dead``, as gunicorn's ``child_exit``).
+4. After the main child is reaped: the rest of its process group (orphaned EngineCore,
+   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record (if any)
+   is read; :func:`sidecar.exitcode.decide_exit` picks the status and the cause goes to
+   the termination log.
+
+vLLM #48966 is why this exists: the API server exits 0 when EngineCore dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from guards.statefile import FatalRecord, StateDir, read_fatal_records
+from sidecar.config import SupervisorConfig
+from sidecar.exitcode import Exit, decide_exit, signal_name
+from sidecar.termination import write_termination_message
+
+__all__ = ["FORWARDED", "STOP_SIGNALS", "TICK", "Supervisor", "run_supervisor"]
+
+#: Signals that request a stop: forwarded, remembered, and start the grace clock.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+#: Every signal forwarded to the main child.
+FORWARDED = STOP_SIGNALS | {signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH}
+#: Longest wait for a signal before re-checking deadlines (tini waits one second).
+TICK = 0.1
+#: Longest wait for the leftovers of the child's process group after the child exited.
+LEFTOVER_WAIT = 5.0
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+log = structlog.get_logger("kvguard.run")
+
+
+def _set_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _mark_dead(metrics_dir: Path | None, pid: int) -> None:
+    if metrics_dir is None or not metrics_dir.is_dir():
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, str(metrics_dir))
+    except Exception as e:  # never let cleanup change the exit status
+        log.warning("mark_process_dead_failed", pid=pid, error=str(e))
+
+
+@dataclass
+class Supervisor:
+    """Run-time state of one ``kvguard run`` (uvicorn's ``Server``): built from a config,
+    driven by :meth:`run`. Must run in the main thread (it changes the signal mask)."""
+
+    config: SupervisorConfig
+    child_pid: int | None = None
+    child_status: int | None = None
+    stop_requested: bool = False
+    stop_signal: int | None = None
+    kill_deadline: float | None = None
+    killed: bool = False
+    reaped_orphans: list[int] = field(default_factory=list)
+
+    @property
+    def state(self) -> StateDir | None:
+        return StateDir(self.config.state_dir) if self.config.state_dir else None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.config.state_dir is not None:
+            env["KVGUARD_STATE_DIR"] = str(self.config.state_dir)
+        return env
+
+    def _prepare_state_dir(self) -> None:
+        state = self.state
+        if state is None:
+            return
+        try:
+            state.wipe()
+            log.info("state_dir_wiped", state_dir=str(state.root))
+        except OSError as e:
+            log.warning("state_dir_unusable", state_dir=str(state.root), error=str(e))
+
+    def _spawn(self, old_mask: set[int]) -> None:
+        cmd = list(self.config.command)
+        self.child_pid = os.posix_spawnp(
+            cmd[0],
+            cmd,
+            self._env(),
+            setpgroup=0,
+            setsigmask=old_mask,
+            setsigdef=FORWARDED | {signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU},
+        )
+        log.info("child_started", pid=self.child_pid, command=cmd[:8])
+
+    def _forward(self, sig: int) -> None:
+        assert self.child_pid is not None
+        if sig in STOP_SIGNALS:
+            if not self.stop_requested:
+                self.kill_deadline = time.monotonic() + self.config.grace
+            self.stop_requested = True
+            self.stop_signal = self.stop_signal or sig
+        try:
+            os.kill(self.child_pid, sig)
+            log.info("signal_forwarded", signal=signal_name(sig), pid=self.child_pid)
+        except ProcessLookupError:
+            log.warning("signal_not_forwarded_child_gone", signal=signal_name(sig))
+
+    def _kill_group(self, sig: int) -> bool:
+        assert self.child_pid is not None
+        try:
+            os.killpg(self.child_pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def _reap(self) -> None:
+        metrics = self.state.metrics if self.state else None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            except InterruptedError:  # pragma: no cover
+                continue
+            if pid == 0:
+                return
+            _mark_dead(metrics, pid)
+            if pid == self.child_pid:
+                self.child_status = status
+                log.info("child_exited", pid=pid, **_describe(status))
+            else:
+                self.reaped_orphans.append(pid)
+                log.info("orphan_reaped", pid=pid, **_describe(status))
+
+    def _wait_signals(self, sigset: set[int], timeout: float) -> None:
+        info = signal.sigtimedwait(sigset, max(timeout, 0.001))
+        if info is None or info.si_signo == signal.SIGCHLD:
+            return
+        self._forward(info.si_signo)
+
+    def _finish_group(self, sigset: set[int]) -> None:
+        """SIGTERM, then SIGKILL, whatever is left of the child's process group."""
+        if not self._kill_group(0):
+            return
+        log.info("stopping_leftover_processes", pgid=self.child_pid)
+        self._kill_group(signal.SIGTERM)
+        deadline = time.monotonic() + min(self.config.grace, LEFTOVER_WAIT)
+        while time.monotonic() < deadline and self._kill_group(0):
+            signal.sigtimedwait({signal.SIGCHLD}, TICK)
+            self._reap()
+        if self._kill_group(signal.SIGKILL):
+            log.warning("leftover_processes_killed", pgid=self.child_pid)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and self._kill_group(0):
+            signal.sigtimedwait({signal.SIGCHLD}, TICK)
+            self._reap()
+        self._reap()
+
+    def _fatal_marker(self) -> FatalRecord | None:
+        state = self.state
+        if state is None:
+            return None
+        status = self.child_status
+        wait = (
+            self.config.fatal_wait
+            if status is not None and os.WIFEXITED(status) and not self.stop_requested
+            else 0.0
+        )
+        deadline = time.monotonic() + wait
+        while True:
+            records, errors = read_fatal_records(state)
+            for err in errors:
+                log.warning("fatal_record_unreadable", error=err)
+            if records or time.monotonic() >= deadline:
+                return records[-1] if records else None
+            time.sleep(0.05)
+
+    def run(self) -> Exit:
+        """Spawn, supervise and reap the command; return the decided :class:`Exit`.
+
+        Blocks the forwarded signals and SIGCHLD for the duration and restores the mask
+        after. Never raises for anything the child does.
+        """
+        sigset = set(FORWARDED) | {signal.SIGCHLD}
+        if os.getpid() != 1 and not _set_subreaper():
+            log.warning("not_pid1_nor_subreaper", detail="orphaned grandchildren are not reaped")
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigset)
+        try:
+            self._prepare_state_dir()
+            try:
+                self._spawn(set(old_mask))
+            except OSError as e:
+                log.error("exec_failed", command=list(self.config.command), error=str(e))
+                return decide_exit(None, False, None, exec_error=e)
+            while self.child_status is None:
+                timeout = TICK
+                if self.kill_deadline is not None and not self.killed:
+                    left = self.kill_deadline - time.monotonic()
+                    if left <= 0:
+                        log.warning("grace_expired_sigkill", grace=self.config.grace)
+                        self._kill_group(signal.SIGKILL)
+                        self.killed = True
+                    else:
+                        timeout = min(timeout, left)
+                self._wait_signals(sigset, timeout)
+                self._reap()
+            self._finish_group(sigset)
+            return decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _describe(status: int) -> dict[str, object]:
+    if os.WIFSIGNALED(status):
+        return {"signal": signal_name(os.WTERMSIG(status))}
+    if os.WIFEXITED(status):
+        return {"exit_status": os.WEXITSTATUS(status)}
+    return {"wait_status": status}  # pragma: no cover
+
+
+def run_supervisor(config: SupervisorConfig) -> int:
+    """Run ``config.command`` under the supervisor; return the exit status (0..255).
+
+    Writes the one-line cause to ``config.termination_log`` (quietly skipped when not
+    writable) and logs it as ``kvguard_run_exit``.
+    """
+    result = Supervisor(config).run()
+    written = write_termination_message(config.termination_log, result.cause)
+    log.info(
+        "kvguard_run_exit",
+        exit_status=result.code,
+        cause=result.cause,
+        termination_log=str(config.termination_log) if written else None,
+    )
+    return result.code
+
