@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         current = path.read_text() if path.exists() else None
         if current == text:
             continue
-        stale.append(path.relative_to(ROOT))
+        stale.append(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
         if not args.check:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)

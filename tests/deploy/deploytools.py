@@ -72,7 +72,19 @@ def alerts() -> dict[str, Any]:
 
 
 #: Metric names as they appear in PromQL: kvguard's (underscores) and vLLM's (colon prefix).
-METRIC_RE = re.compile(r"\b(kvguard_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+METRIC_RE = re.compile(r"(?<![\w:$])(kvguard_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+
+
+def metric_names(expr: str) -> set[str]:
+    """kvguard_* and vllm:* metric names in a PromQL expression.
+
+    Strings, label matchers (``{...}``) and grouping clauses (``by (...)``) are removed
+    first, so label names and values (``kvguard_version``, ``$kvguard_job``) never count.
+    """
+    expr = re.sub(r'"[^"]*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    return set(METRIC_RE.findall(expr))
 
 
 def kvguard_exposed_names() -> set[str]:

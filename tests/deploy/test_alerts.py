@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploytools import DASHBOARDS, METRIC_RE, ROOT, alerts, kvguard_exposed_names, promtool, run
+from deploytools import DASHBOARDS, metric_names, ROOT, alerts, kvguard_exposed_names, promtool, run
 
 #: alert -> (severity, for). The issue fixes the names; `for` is what the runbooks promise.
 EXPECTED = {
@@ -69,7 +69,7 @@ def test_rule_annotations_and_runbook(rule):
 def test_rules_name_only_metrics_the_exporter_produces():
     exposed = kvguard_exposed_names()
     for rule in _rules():
-        for name in METRIC_RE.findall(rule["expr"]):
+        for name in metric_names(rule["expr"]):
             assert name in exposed, f"{rule['alert']}: {name} is not in guards.names"
 
 
