@@ -1,0 +1,168 @@
+"""sidecar/supervisor.py with real children (after tini's test/run_inner_tests.py).
+
+``kvguard run`` runs as a real process; waits use deadlines (``busy_wait``), never sleeps
+that a slow machine could outrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from guards.statefile import FatalRecord, StateDir, write_fatal_record
+from sidecar.exitcode import ENGINE_FATAL
+
+from sidecartools import busy_wait
+
+LOOP = textwrap.dedent(
+    """
+    import json, sys
+    from sidecar.config import SupervisorConfig
+    from sidecar.supervisor import Supervisor
+    out = {}
+    for n in range(256):
+        cfg = SupervisorConfig(command=("sh", "-c", f"exit {n}"), termination_log="/nonexistent/t")
+        out[n] = Supervisor(cfg).run().code
+    for sig in (1, 2, 3, 9, 15):
+        cfg = SupervisorConfig(command=("sh", "-c", f"kill -{sig} $$"))
+        out[f"sig{sig}"] = Supervisor(cfg).run().code
+    print(json.dumps(out))
+    """
+)
+
+
+def test_every_exit_code_and_signal_death_with_real_children():
+    proc = subprocess.run([sys.executable, "-c", LOOP], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["0"] == ENGINE_FATAL
+    assert {int(k): v for k, v in got.items() if k.isdigit() and k != "0"} == {n: n for n in range(1, 256)}
+    assert {k: v for k, v in got.items() if k.startswith("sig")} == {
+        "sig1": 129, "sig2": 130, "sig3": 131, "sig9": 137, "sig15": 143,
+    }
+
+
+def test_sigterm_death_gives_143(kvguard_run, tmp_path):
+    # The child ignores nothing: SIGTERM kills sh, so the status is a signal death.
+    run = kvguard_run(["--termination-log", str(tmp_path / "t"), "--", "sh", "-c", "kill -TERM $$; sleep 5"])
+    code, out = run.wait()
+    assert code == 143, out
+    assert (tmp_path / "t").read_text() == "child killed by SIGTERM without a stop request\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_forwarded_stop_signal_then_clean_exit_gives_0(kvguard_run, tmp_path, sig):
+    ready = tmp_path / "ready"
+    got = tmp_path / "got"
+    script = (
+        f"trap 'echo {sig.name} > {got}; exit 0' {sig.name[3:]}; "
+        f"touch {ready}; while true; do sleep 0.05; done"
+    )
+    run = kvguard_run(["--termination-log", str(tmp_path / "t"), "--", "sh", "-c", script])
+    busy_wait(ready.exists)
+    os.kill(run.proc.pid, sig)
+    code, out = run.wait()
+    assert code == 0, out
+    assert got.read_text().strip() == sig.name  # the child got the very signal
+    assert (tmp_path / "t").read_text() == "stopped on request\n"
+
+
+def test_grace_expired_sends_sigkill_to_the_group(kvguard_run, tmp_path):
+    ready = tmp_path / "ready"
+    script = f"trap '' TERM; touch {ready}; while true; do sleep 0.05; done"
+    run = kvguard_run(["--grace", "0.5", "--", "sh", "-c", script])
+    busy_wait(ready.exists)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, out = run.wait()
+    assert code == 137, out
+    assert "grace_expired_sigkill" in out
+
+
+def test_orphaned_grandchild_is_reaped(kvguard_run, tmp_path):
+    gc_pid = tmp_path / "gc.pid"
+    ready = tmp_path / "ready"
+    # The middle shell starts a short-lived grandchild and exits at once: the grandchild
+    # is orphaned, reparented to kvguard run (subreaper), and must not stay a zombie.
+    script = (
+        f"sh -c '(sleep 0.2; exit 3) & echo $! > {gc_pid}'; "
+        f"touch {ready}; trap 'exit 0' TERM; while true; do sleep 0.05; done"
+    )
+    run = kvguard_run(["--", "sh", "-c", script])
+    busy_wait(ready.exists)
+    pid = int(gc_pid.read_text())
+
+    def gone() -> bool:
+        try:
+            Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return False  # alive or a zombie (a zombie keeps its /proc entry until reaped)
+
+    busy_wait(gone, timeout=10)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, out = run.wait()
+    assert code == 0, out
+    assert f"orphan_reaped" in out and f"pid={pid}" in out
+
+
+def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run, tmp_path):
+    state = tmp_path / "state"
+    # The child plays EngineCore: it writes a fatal record into the exported state dir,
+    # then exits 0 the way vLLM's API server does (#48966).
+    writer = (
+        "import os; from guards.statefile import *; "
+        "write_fatal_record(StateDir(__import__('pathlib').Path(os.environ['KVGUARD_STATE_DIR'])), "
+        "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', 1.0, os.getpid(), '0.25.1', 'running'))"
+    )
+    term = tmp_path / "t"
+    run = kvguard_run(
+        ["--termination-log", str(term), "--state-dir", str(state), "--", sys.executable, "-c", writer]
+    )
+    code, out = run.wait()
+    assert code == ENGINE_FATAL, out
+    line = term.read_text()
+    assert line.startswith("engine fatal during running: AssertionError: pending 129 > 128 (site=swa_pending_bound, pid=")
+    assert line.endswith(")\n") and line.count("\n") == 1
+
+
+def test_state_dir_is_wiped_at_start_and_exported(kvguard_run, tmp_path):
+    state = tmp_path / "state"
+    old = StateDir(state).ensure()
+    write_fatal_record(old, FatalRecord("E", "old", None, 1.0, 1, "x"))
+    (old.metrics / "counter_1.db").write_bytes(b"\0" * 16)
+    seen = tmp_path / "seen"
+    script = f'echo "$KVGUARD_STATE_DIR" > {seen}; ls -A "$KVGUARD_STATE_DIR"/fatal "$KVGUARD_STATE_DIR"/metrics >> {seen}; exit 3'
+    code, out = kvguard_run(["--state-dir", str(state), "--", "sh", "-c", script]).wait()
+    assert code == 3, out  # the old fatal record no longer counts
+    assert seen.read_text().splitlines() == [str(state), f"{state}/fatal:", "", f"{state}/metrics:"]
+
+
+def test_dead_child_live_gauge_files_are_marked_dead(kvguard_run, tmp_path):
+    state = tmp_path / "state"
+    script = (
+        'touch "$KVGUARD_STATE_DIR/metrics/gauge_livesum_$$.db" "$KVGUARD_STATE_DIR/metrics/counter_$$.db"; '
+        'echo $$ > "$KVGUARD_STATE_DIR/../pid"; exit 4'
+    )
+    code, out = kvguard_run(["--state-dir", str(state), "--", "sh", "-c", script]).wait()
+    assert code == 4, out
+    pid = (tmp_path / "pid").read_text().strip()
+    assert sorted(p.name for p in (state / "metrics").iterdir()) == [f"counter_{pid}.db"]
+
+
+def test_command_not_found_gives_127(kvguard_run, tmp_path):
+    code, out = kvguard_run(["--termination-log", str(tmp_path / "t"), "--", "no-such-command-kvguard"]).wait()
+    assert code == 127, out
+    assert (tmp_path / "t").read_text().startswith("exec failed: command not found")
+
+
+def test_unwritable_termination_log_is_skipped_quietly(kvguard_run):
+    code, out = kvguard_run(["--termination-log", "/proc/kvguard-nope/t", "--", "sh", "-c", "exit 5"]).wait()
+    assert code == 5
+    assert "Traceback" not in out

@@ -1,0 +1,142 @@
+"""guards/statefile.py: the state-dir format (after client_python's tests/test_multiprocess.py).
+
+A tmp dir per test; pids are injected (``StateDir(pid=...)``) instead of forking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from guards.statefile import (
+    MAX_MESSAGE_CHARS,
+    MAX_RECORD_BYTES,
+    FatalRecord,
+    StateDir,
+    StateFileError,
+    parse_fatal_record,
+    read_fatal_records,
+    write_fatal_record,
+)
+
+
+def record(pid: int, t: float = 1.0, exc: str = "AssertionError", site: str | None = None) -> FatalRecord:
+    return FatalRecord(exception=exc, message=f"boom {pid}", site=site, time=t, pid=pid, vllm_version="0.32.0")
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    state = StateDir(tmp_path).ensure()
+    rec = FatalRecord("AssertionError", "bound 129 > 128", "swa_pending_bound", 1700.5, 42, "0.25.1", "running")
+    path = write_fatal_record(state, rec)
+    assert path == tmp_path / "fatal" / "42.json"
+    assert json.loads(path.read_text()) == {
+        "exception": "AssertionError",
+        "message": "bound 129 > 128",
+        "site": "swa_pending_bound",
+        "time": 1700.5,
+        "pid": 42,
+        "vllm_version": "0.25.1",
+        "phase": "running",
+    }
+    assert read_fatal_records(state) == ([rec], [])
+
+
+def test_two_pids_are_two_records_sorted_by_time(tmp_path):
+    state = StateDir(tmp_path)
+    write_fatal_record(state, record(7, t=20.0))
+    write_fatal_record(state, record(5, t=10.0))
+    records, errors = read_fatal_records(state)
+    assert [r.pid for r in records] == [5, 7]
+    assert errors == []
+
+
+def test_temp_name_uses_the_current_pid_and_is_gone_after_replace(tmp_path):
+    pids = iter([111, 222])
+    state = StateDir(tmp_path, pid=lambda: next(pids))
+    write_fatal_record(state, record(9))
+    write_fatal_record(state, record(10))
+    assert sorted(p.name for p in (tmp_path / "fatal").iterdir()) == ["10.json", "9.json"]
+
+
+def test_leftover_temp_file_is_ignored(tmp_path):
+    state = StateDir(tmp_path).ensure()
+    (state.fatal / ".9.json.tmp.9").write_text('{"exception": ')
+    assert read_fatal_records(state) == ([], [])
+
+
+def test_missing_dir_reads_as_empty(tmp_path):
+    assert read_fatal_records(StateDir(tmp_path / "nope")) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b'{"exception": "AssertionError", "mess', "not a JSON record"),
+        (b"", "not a JSON record"),
+        (b"\xff\xfe", "not a JSON record"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"exception": "E", "message": "m", "site": null, "time": 1.0, "pid": 3}', "vllm_version"),
+        (b'{"exception": "E", "message": "m", "site": 5, "time": 1.0, "pid": 3, "vllm_version": "x"}', "'site'"),
+        (b'{"exception": "E", "message": "m", "site": null, "time": 1.0, "pid": true, "vllm_version": "x"}', "'pid'"),
+    ],
+)
+def test_truncated_or_malformed_record_is_rejected_without_failing_the_read(tmp_path, content, why):
+    state = StateDir(tmp_path)
+    write_fatal_record(state, record(1))
+    (state.fatal / "2.json").write_bytes(content)
+    records, errors = read_fatal_records(state)
+    assert [r.pid for r in records] == [1]
+    assert len(errors) == 1 and errors[0].startswith("2.json: ") and why in errors[0]
+
+
+def test_oversized_record_is_rejected():
+    with pytest.raises(StateFileError, match="more than"):
+        parse_fatal_record(b" " * (MAX_RECORD_BYTES + 1))
+
+
+def test_message_is_truncated_and_cause_is_one_line():
+    exc = RuntimeError("line one\nline two " + "x" * (2 * MAX_MESSAGE_CHARS))
+    rec = FatalRecord.from_exception(exc, site=None, pid=5, vllm_version="v", phase="startup", now=lambda: 3.0)
+    assert len(rec.message) == MAX_MESSAGE_CHARS and rec.message.endswith("...")
+    assert rec.time == 3.0 and rec.exception == "RuntimeError"
+    cause = rec.cause()
+    assert "\n" not in cause
+    assert cause.startswith("engine fatal during startup: RuntimeError: line one line two x")
+    assert cause.endswith("(pid=5)")
+
+
+def test_cause_names_the_site():
+    assert record(8, site="swa_pending_bound").cause() == (
+        "engine fatal: AssertionError: boom 8 (site=swa_pending_bound, pid=8)"
+    )
+
+
+def test_wipe_empties_the_dir_but_keeps_it(tmp_path):
+    state = StateDir(tmp_path / "s").ensure()
+    write_fatal_record(state, record(3))
+    (state.metrics / "counter_3.db").write_bytes(b"\0" * 8)
+    (state.root / "stray.txt").write_text("x")
+    os.symlink(tmp_path, state.root / "link")
+    state.wipe()
+    assert sorted(p.name for p in state.root.iterdir()) == ["fatal", "metrics"]
+    assert list(state.fatal.iterdir()) == [] and list(state.metrics.iterdir()) == []
+    assert tmp_path.exists()  # the symlink was removed, not followed
+
+
+def test_statefile_is_stdlib_only():
+    import ast
+    import sys
+    from pathlib import Path
+
+    import guards.statefile as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    imported = {
+        (n.module or "").split(".")[0] if isinstance(n, ast.ImportFrom) else a.name.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+    }
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
