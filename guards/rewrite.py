@@ -1,0 +1,417 @@
+"""The assert -> check transformation (an AST pass modelled on pytest's assertion rewriting).
+
+Pure: works on (tree, source) and a list of :class:`SiteSpec`; imports no vLLM, no
+prometheus_client, no structlog. :mod:`guards.instrumentor` compiles what this returns
+and swaps the code of the existing vLLM function objects.
+
+Algorithm (:class:`SiteRewriter`): for one top-level function (``func`` or
+``Class.method``, nested classes allowed), every ``ast.Assert`` whose normalized test
+text (:func:`normalize_assert`) matches a listed fingerprint is replaced; every other
+assert stays an assert, node for node. Asserts inside nested functions, lambdas and
+comprehensions of that function are reached too (they are compiled into its code).
+
+Generated code per kind, with names that are not valid identifiers so they cannot
+clash with vLLM's (pytest uses ``@py_assert``):
+
+``assert`` (failure-only)::
+
+    if __debug__:
+        if <test>:
+            @kvguard_passes[<index>] += 1
+        else:
+            @kvguard_exc = @kvguard_check(<site_id>, False, @kvguard_locals()[, <msg>])
+            if @kvguard_exc is not None:
+                raise @kvguard_exc
+
+``window`` (every evaluation, the geometry is needed for the exact bound)::
+
+    if __debug__:
+        @kvguard_ok = <test>
+        @kvguard_exc = @kvguard_check(<site_id>, @kvguard_ok, @kvguard_locals()[, <msg>])
+        if @kvguard_exc is not None:
+            raise @kvguard_exc
+
+``store_call`` (an assignment, not an assert; vLLM #42945)::
+
+    try:
+        src_spec = GPULoadStoreSpec(...)           # the original statement, untouched
+    except @kvguard_StoreDropped:
+        @kvguard_drop_store(<site_id>, @kvguard_locals())
+        continue
+
+Locations: every generated node gets the location of the statement it replaces
+(``ast.copy_location`` over the new subtree); original nodes keep theirs, so tracebacks
+and ``co_positions`` point into vLLM's own file and lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from types import CodeType
+
+__all__ = [
+    "KIND_ASSERT",
+    "KIND_WINDOW",
+    "KIND_STORE_CALL",
+    "GLOBAL_CHECK",
+    "GLOBAL_PASSES",
+    "GLOBAL_LOCALS",
+    "GLOBAL_STORE_DROPPED",
+    "GLOBAL_DROP_STORE",
+    "SiteSpec",
+    "SiteRewriter",
+    "normalize_assert",
+    "normalize_statement",
+    "fingerprint_id",
+    "iter_asserts",
+    "find_function",
+    "rewrite_function",
+    "extract_function_code",
+]
+
+KIND_ASSERT = "assert"
+KIND_WINDOW = "window"
+KIND_STORE_CALL = "store_call"
+
+GLOBAL_CHECK = "@kvguard_check"
+GLOBAL_PASSES = "@kvguard_passes"
+GLOBAL_LOCALS = "@kvguard_locals"
+GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
+GLOBAL_DROP_STORE = "@kvguard_drop_store"
+_LOCAL_OK = "@kvguard_ok"
+_LOCAL_EXC = "@kvguard_exc"
+#: Every global name rewritten code may read (the instrumentor injects exactly these).
+INJECTED_GLOBALS: tuple[str, ...] = (
+    GLOBAL_CHECK,
+    GLOBAL_PASSES,
+    GLOBAL_LOCALS,
+    GLOBAL_STORE_DROPPED,
+    GLOBAL_DROP_STORE,
+)
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One site to rewrite inside one function.
+
+    ``fingerprints``: accepted normalized texts (assert test, or whole statement for
+    ``store_call``); ``index``: the site's slot in ``runtime.PASSES``.
+    """
+
+    site_id: str
+    kind: str
+    fingerprints: tuple[str, ...]
+    index: int = 0
+
+
+def normalize_assert(node: ast.Assert) -> str:
+    """The normalized text of an assert's *test* (its message is ignored): ``ast.unparse`` with
+    whitespace collapsed, so formatting, comments and parenthesization never matter."""
+    return " ".join(ast.unparse(node.test).split())
+
+
+def normalize_statement(node: ast.stmt) -> str:
+    """Normalized text of a whole statement (used for ``store_call`` sites)."""
+    return " ".join(ast.unparse(node).split())
+
+
+def fingerprint_id(fingerprint: str) -> str:
+    """A short stable id for a fingerprint: the first 8 hex digits of its sha1."""
+    return hashlib.sha1(fingerprint.encode()).hexdigest()[:8]
+
+
+_FUNC = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _iter_top_functions(
+    body: Iterable[ast.stmt], prefix: str = ""
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    for node in body:
+        if isinstance(node, _FUNC):
+            yield prefix + node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from _iter_top_functions(node.body, prefix + node.name + ".")
+
+
+def iter_asserts(tree: ast.Module) -> Iterator[tuple[str, str, int]]:
+    """Yield ``(qualname, fingerprint, lineno)`` for every assert inside a module-level
+    function or a (nested) class method, including asserts in its nested scopes.
+    Asserts at module or class-body level are not sites (they run once, at import)."""
+    for qualname, func in _iter_top_functions(tree.body):
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assert):
+                yield qualname, normalize_assert(node), node.lineno
+
+
+def find_function(
+    tree: ast.Module, qualname: str
+) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[ast.ClassDef]] | None:
+    """The ``def`` for ``qualname`` (``"f"`` or ``"A.B.f"``) and its enclosing classes, or None."""
+    parts = qualname.split(".")
+    body: list[ast.stmt] = tree.body
+    classes: list[ast.ClassDef] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        match = None
+        for node in body:
+            if last and isinstance(node, _FUNC) and node.name == part:
+                match = node  # the last definition wins, as at run time
+            elif not last and isinstance(node, ast.ClassDef) and node.name == part:
+                match = node
+        if match is None:
+            return None
+        if last:
+            return match, classes  # type: ignore[return-value]
+        classes.append(match)  # type: ignore[arg-type]
+        body = match.body  # type: ignore[union-attr]
+    return None
+
+
+def _name(id_: str, ctx: ast.expr_context | None = None) -> ast.Name:
+    return ast.Name(id=id_, ctx=ctx or ast.Load())
+
+
+def _locate(new: ast.AST, old: ast.AST) -> ast.AST:
+    """Give every node of ``new`` that lacks a location the location of ``old``."""
+    for node in ast.walk(new):
+        if "lineno" in node._attributes and not hasattr(node, "lineno"):
+            ast.copy_location(node, old)
+        elif "lineno" in node._attributes and getattr(node, "_kvguard_generated", False):
+            ast.copy_location(node, old)
+    return new
+
+
+def _gen(node: ast.AST) -> ast.AST:
+    node._kvguard_generated = True  # type: ignore[attr-defined]
+    return node
+
+
+@dataclass
+class SiteRewriter(ast.NodeTransformer):
+    """Rewrites the listed asserts / statements of one function (see module docstring).
+
+    ``found`` collects the site ids that matched at least once; ``loop_depth`` tracks
+    whether a ``continue`` is legal at the current statement (``store_call`` needs one
+    enclosing loop of this function's own scope).
+    """
+
+    specs: list[SiteSpec]
+    found: set[str] = field(default_factory=set)
+    _by_assert: dict[str, SiteSpec] = field(default_factory=dict)
+    _by_stmt: dict[str, SiteSpec] = field(default_factory=dict)
+    _loop_depth: int = 0
+    _func_depth: int = 0
+
+    def __post_init__(self) -> None:
+        for spec in self.specs:
+            target = self._by_stmt if spec.kind == KIND_STORE_CALL else self._by_assert
+            for fp in spec.fingerprints:
+                target[fp] = spec
+
+    # -- scopes -----------------------------------------------------------------
+    def _visit_scope(self, node: ast.AST) -> ast.AST:
+        saved = self._loop_depth
+        self._loop_depth = 0
+        self._func_depth += 1
+        self.generic_visit(node)
+        self._func_depth -= 1
+        self._loop_depth = saved
+        return node
+
+    visit_FunctionDef = _visit_scope  # type: ignore[assignment]
+    visit_AsyncFunctionDef = _visit_scope  # type: ignore[assignment]
+    visit_Lambda = _visit_scope  # type: ignore[assignment]
+
+    def _visit_loop(self, node: ast.For | ast.While | ast.AsyncFor) -> ast.AST:
+        # Only the body is "inside" the loop for continue; orelse is not.
+        node.target = self.visit(node.target) if hasattr(node, "target") else None  # type: ignore[union-attr]
+        self._loop_depth += 1
+        node.body = self._visit_stmts(node.body)
+        self._loop_depth -= 1
+        node.orelse = self._visit_stmts(node.orelse)
+        return node
+
+    def visit_For(self, node: ast.For) -> ast.AST:
+        return self._visit_loop(node)
+
+    def visit_AsyncFor(self, node: ast.AsyncFor) -> ast.AST:
+        return self._visit_loop(node)
+
+    def visit_While(self, node: ast.While) -> ast.AST:
+        self._loop_depth += 1
+        node.body = self._visit_stmts(node.body)
+        self._loop_depth -= 1
+        node.orelse = self._visit_stmts(node.orelse)
+        return node
+
+    def _visit_stmts(self, stmts: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for stmt in stmts:
+            new = self.visit(stmt)
+            if new is None:
+                continue
+            if isinstance(new, list):
+                out.extend(new)
+            else:
+                out.append(new)
+        return out
+
+    # -- sites ------------------------------------------------------------------
+    def visit_Assert(self, node: ast.Assert) -> ast.AST | list[ast.stmt]:
+        self.generic_visit(node)
+        spec = self._by_assert.get(normalize_assert(node))
+        if spec is None:
+            return node
+        self.found.add(spec.site_id)
+        return self._assert_replacement(node, spec)
+
+    def visit_Assign(self, node: ast.Assign) -> ast.AST | list[ast.stmt]:
+        self.generic_visit(node)
+        if not self._by_stmt:
+            return node
+        spec = self._by_stmt.get(normalize_statement(node))
+        if spec is None or self._loop_depth == 0:
+            return node
+        self.found.add(spec.site_id)
+        handler = ast.ExceptHandler(
+            type=_gen(_name(GLOBAL_STORE_DROPPED)),
+            name=None,
+            body=[
+                _gen(
+                    ast.Expr(
+                        value=_gen(
+                            ast.Call(
+                                func=_gen(_name(GLOBAL_DROP_STORE)),
+                                args=[
+                                    _gen(ast.Constant(spec.site_id)),
+                                    _gen(ast.Call(func=_gen(_name(GLOBAL_LOCALS)), args=[], keywords=[])),
+                                ],
+                                keywords=[],
+                            )
+                        )
+                    )
+                ),
+                _gen(ast.Continue()),
+            ],
+        )
+        _gen(handler)
+        new = _gen(ast.Try(body=[node], handlers=[handler], orelse=[], finalbody=[]))
+        _locate(new, node)
+        return new
+
+    def _assert_replacement(self, node: ast.Assert, spec: SiteSpec) -> list[ast.stmt]:
+        def call(ok: ast.expr) -> ast.Call:
+            args: list[ast.expr] = [
+                _gen(ast.Constant(spec.site_id)),
+                ok,
+                _gen(ast.Call(func=_gen(_name(GLOBAL_LOCALS)), args=[], keywords=[])),
+            ]
+            if node.msg is not None:
+                args.append(node.msg)
+            return _gen(ast.Call(func=_gen(_name(GLOBAL_CHECK)), args=args, keywords=[]))  # type: ignore[return-value]
+
+        raise_if = _gen(
+            ast.If(
+                test=_gen(
+                    ast.Compare(
+                        left=_gen(_name(_LOCAL_EXC)),
+                        ops=[_gen(ast.IsNot())],
+                        comparators=[_gen(ast.Constant(None))],
+                    )
+                ),
+                body=[_gen(ast.Raise(exc=_gen(_name(_LOCAL_EXC)), cause=None))],
+                orelse=[],
+            )
+        )
+        if spec.kind == KIND_WINDOW:
+            body: list[ast.stmt] = [
+                _gen(ast.Assign(targets=[_gen(_name(_LOCAL_OK, ast.Store()))], value=node.test)),
+                _gen(
+                    ast.Assign(
+                        targets=[_gen(_name(_LOCAL_EXC, ast.Store()))],
+                        value=call(_gen(_name(_LOCAL_OK))),
+                    )
+                ),
+                raise_if,
+            ]
+            if node.msg is not None:
+                # the message is evaluated only when the test failed, as in an assert
+                body[1].value.args[3] = _gen(  # type: ignore[attr-defined]
+                    ast.IfExp(test=_gen(_name(_LOCAL_OK)), body=_gen(ast.Constant(None)), orelse=node.msg)
+                )
+        else:
+            inc = _gen(
+                ast.AugAssign(
+                    target=_gen(
+                        ast.Subscript(
+                            value=_gen(_name(GLOBAL_PASSES)),
+                            slice=_gen(ast.Constant(spec.index)),
+                            ctx=ast.Store(),
+                        )
+                    ),
+                    op=_gen(ast.Add()),
+                    value=_gen(ast.Constant(1)),
+                )
+            )
+            fail = [
+                _gen(
+                    ast.Assign(
+                        targets=[_gen(_name(_LOCAL_EXC, ast.Store()))],
+                        value=call(_gen(ast.Constant(False))),
+                    )
+                ),
+                raise_if,
+            ]
+            body = [_gen(ast.If(test=node.test, body=[inc], orelse=fail))]
+        guard = _gen(ast.If(test=_gen(_name("__debug__")), body=body, orelse=[]))
+        _locate(guard, node)
+        return [guard]  # type: ignore[list-item]
+
+
+def rewrite_function(
+    tree: ast.Module, qualname: str, specs: list[SiteSpec]
+) -> tuple[ast.Module, set[str]] | None:
+    """Rewrite the listed sites of ``qualname`` into a new, compilable module.
+
+    Returns ``(module, found_site_ids)``; the module holds only the (rewritten, deep
+    copied) ``def`` nested in empty copies of its enclosing classes, so private-name
+    mangling and the ``__class__`` cell of ``super()`` come out as in vLLM's own code.
+    The input tree is not modified. None when ``qualname`` is not defined in ``tree``.
+    """
+    located = find_function(tree, qualname)
+    if located is None:
+        return None
+    func, classes = located
+    func = copy.deepcopy(func)
+    rewriter = SiteRewriter(specs)
+    # visit the body only: the def itself is the scope, not a nested one
+    func.body = rewriter._visit_stmts(func.body)
+    inner: ast.stmt = func
+    for cls in reversed(classes):
+        shell = ast.ClassDef(name=cls.name, bases=[], keywords=[], body=[inner], decorator_list=[])
+        if "type_params" in ast.ClassDef._fields:  # Python >= 3.12
+            shell.type_params = []
+        ast.copy_location(shell, cls)
+        shell.end_lineno = cls.end_lineno
+        inner = shell
+    module = ast.Module(body=[inner], type_ignores=[])
+    ast.fix_missing_locations(module)
+    return module, set(rewriter.found)
+
+
+def extract_function_code(module_code: CodeType, qualname: str) -> CodeType | None:
+    """Find the code object of ``qualname`` inside a compiled :func:`rewrite_function` module."""
+    code = module_code
+    for part in qualname.split("."):
+        nxt = None
+        for const in code.co_consts:
+            if isinstance(const, CodeType) and const.co_name == part:
+                nxt = const
+        if nxt is None:
+            return None
+        code = nxt
+    return code

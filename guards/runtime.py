@@ -1,0 +1,512 @@
+"""The policy decision of every rewritten check site, plus in-process counters.
+
+Rewritten vLLM code (see :mod:`guards.rewrite`) reaches this module through names that
+cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_passes``, ...), injected into
+the target module's globals by :mod:`guards.instrumentor`:
+
+- a passing plain assert costs one list-item increment (``@kvguard_passes[i] += 1``);
+- a failing assert calls :func:`check` ``(site_id, False, locals(), msg)``, which counts,
+  logs and returns the exception the rewritten code must raise, or ``None`` to continue;
+- the window site (the SWA / Mamba pending-block assert of ``update_state_after_alloc``)
+  calls :func:`check` on every evaluation, because the exact bound needs the geometry.
+
+Policies (``../shared/DESIGN.md``):
+
+============  ================================================================================
+``observe``   vLLM's own assert decides; kvguard counts, measures headroom and logs.
+``guard``     vLLM's too-strict SWA assert is replaced by the exact bound (#48959): legal loads
+              continue and are counted as *tolerated*. An inconsistent store spec (#42945) is
+              dropped and its keys released (action ``store_dropped``). Any other failure is
+              counted, logged and re-raised. Guard never raises where vLLM's own assert passes.
+``strict``    exact invariants on top of vLLM's: any failure of either raises.
+============  ================================================================================
+
+``kvguard_check_tolerated_total`` counts failures of vLLM's assert that the guard let
+through; ``kvguard_invariant_violations_total{check,action}`` counts every other failure
+(``raised``: the AssertionError propagated; ``store_dropped``; ``continued``: the exact
+invariant failed but vLLM's looser assert passed and vLLM went on).
+
+Sinks (metrics, events) are no-ops until :func:`configure` sets them; an exception inside
+kvguard code is counted in ``kvguard_guard_errors_total{stage}`` and vLLM's own behaviour
+follows (the assert's AssertionError when it failed, otherwise continue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+from guards import invariants, names
+from guards.sites import KIND_STORE_CALL, KIND_WINDOW, SITES
+
+__all__ = [
+    "StoreDropped",
+    "check",
+    "drop_store",
+    "snapshot",
+    "reset",
+    "last_failed_site",
+    "suppressed",
+    "configure",
+    "flush",
+    "PASSES",
+]
+
+_NO_MSG: Any = object()
+
+
+class StoreDropped(AssertionError):
+    """Raised by a ``GPULoadStoreSpec`` group-sizes check under ``guard`` inside ``_build_store_jobs``.
+
+    The rewritten ``_build_store_jobs`` catches it around ``src_spec = GPULoadStoreSpec(...)``,
+    releases the store's keys (``manager.complete_store(keys, req_context, success=False)``)
+    and skips that store, so no inconsistent spec reaches the worker (vLLM #42945). It is
+    an ``AssertionError`` so that any other caller sees exactly vLLM's exception type.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class _SiteRT:
+    index: int
+    site_id: str
+    check: str
+    kind: str
+
+
+#: site id -> runtime info, in site-table order (index = position in PASSES).
+_SITE_RT: dict[str, _SiteRT] = {
+    s.site_id: _SiteRT(i, s.site_id, s.check, s.kind) for i, s in enumerate(SITES)
+}
+#: Passing evaluations per site index, incremented inline by rewritten code.
+PASSES: list[int] = [0] * len(SITES)
+_CHECK_OF_INDEX: tuple[str, ...] = tuple(s.check for s in SITES)
+
+_lock = threading.Lock()
+_evals: dict[str, int] = {}
+_tolerated: dict[str, int] = {}
+_violations: dict[str, int] = {}
+_max_pending: dict[str, int] = {}
+_bound: dict[str, int] = {}
+_last_failed_site: str | None = None
+_suppress_depth = 0
+_flushed_evals: dict[str, int] = {}
+_last_flush = 0.0
+_FLUSH_INTERVAL_S = 1.0
+
+#: Code objects of rewritten ``_build_store_jobs`` (they catch StoreDropped).
+STORE_BUILDER_CODES: set[CodeType] = set()
+
+
+class _NullMetrics:
+    def evaluations(self, check: str, amount: int) -> None: ...
+    def tolerated(self, check: str) -> None: ...
+    def violation(self, check: str, action: str) -> None: ...
+    def guard_error(self, stage: str) -> None: ...
+    def swa_ratio(self, ratio: float) -> None: ...
+
+
+class _NullEvents:
+    def check_failed(self, **kw: Any) -> None: ...
+    def check_tolerated(self, **kw: Any) -> None: ...
+    def store_dropped(self, **kw: Any) -> None: ...
+    def guard_error(self, **kw: Any) -> None: ...
+
+
+_metrics: Any = _NullMetrics()
+_events: Any = _NullEvents()
+_policy: str = names.DEFAULT_POLICY
+_vllm_version: str = "unknown"
+
+
+def configure(
+    *,
+    policy: str | None = None,
+    metrics: Any = None,
+    events: Any = None,
+    vllm_version: str | None = None,
+) -> dict[str, Any]:
+    """Set the sinks and policy; returns the previous values (pass them back to restore).
+
+    ``metrics`` needs the methods of :class:`guards.metrics.GuardMetrics`, ``events`` those
+    of :mod:`guards.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
+    an unknown policy.
+    """
+    global _metrics, _events, _policy, _vllm_version
+    previous = {
+        "policy": _policy,
+        "metrics": _metrics,
+        "events": _events,
+        "vllm_version": _vllm_version,
+    }
+    if policy is not None:
+        if policy not in names.POLICIES:
+            raise ValueError(f"unknown policy {policy!r}")
+        _policy = policy
+    if metrics is not None:
+        _metrics = metrics
+    if events is not None:
+        _events = events
+    if vllm_version is not None:
+        _vllm_version = vllm_version
+    return previous
+
+
+def unconfigure() -> None:
+    """Back to no-op sinks and the default policy (used by ``uninstall()``)."""
+    global _metrics, _events, _policy
+    flush(force=True)
+    _metrics, _events, _policy = _NullMetrics(), _NullEvents(), names.DEFAULT_POLICY
+
+
+def policy() -> str:
+    """The policy in force (``observe`` | ``guard`` | ``strict``)."""
+    return _policy
+
+
+@contextlib.contextmanager
+def suppressed() -> Iterator[None]:
+    """Inside this block every check behaves exactly like vLLM's plain assert, uncounted."""
+    global _suppress_depth
+    _suppress_depth += 1
+    try:
+        yield
+    finally:
+        _suppress_depth -= 1
+
+
+def _exc(msg: Any) -> AssertionError:
+    # Exactly what a failing ``assert test`` / ``assert test, msg`` raises.
+    return AssertionError() if msg is _NO_MSG else AssertionError(msg)
+
+
+def _count_eval(check_name: str) -> None:
+    _evals[check_name] = _evals.get(check_name, 0) + 1
+
+
+def _count_violation(site: _SiteRT, check_name: str, action: str) -> None:
+    global _last_failed_site
+    _violations[check_name] = _violations.get(check_name, 0) + 1
+    if action == names.ACTION_RAISED:
+        _last_failed_site = site.site_id
+    _metrics.violation(check_name, action)
+
+
+def _count_tolerated(check_name: str) -> None:
+    _tolerated[check_name] = _tolerated.get(check_name, 0) + 1
+    _metrics.tolerated(check_name)
+
+
+def guard_error(stage: str, error: BaseException) -> None:
+    """Count and log an exception raised inside kvguard code; never raises."""
+    try:
+        _metrics.guard_error(stage)
+    except Exception:  # pragma: no cover - last line of defence
+        pass
+    try:
+        _events.guard_error(stage=stage, error=f"{type(error).__name__}: {error}")
+    except Exception:  # pragma: no cover
+        pass
+
+
+def check(site_id: str, ok: bool, context: dict[str, Any] | None = None, msg: Any = _NO_MSG) -> BaseException | None:
+    """Decide one evaluation of check site ``site_id``; return the exception to raise, or None.
+
+    ``ok`` is the value of vLLM's own assert test; ``context`` the frame's ``locals()``
+    (read only, never stored; values are summarized before logging, token ids never);
+    ``msg`` the assert's message when it has one. Never raises: an internal error counts
+    ``kvguard_guard_errors_total{stage="check"}`` and returns vLLM's own outcome.
+    """
+    site = _SITE_RT.get(site_id)
+    if site is None or _suppress_depth:
+        return None if ok else _exc(msg)
+    try:
+        if site.kind == KIND_WINDOW:
+            return _check_window(site, ok, context or {}, msg)
+        if ok:
+            PASSES[site.index] += 1
+            return None
+        return _check_failed_assert(site, context or {}, msg)
+    except Exception as error:  # guard code must never take the engine down
+        guard_error(names.STAGE_CHECK, error)
+        return None if ok else _exc(msg)
+
+
+def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> BaseException:
+    _count_eval(site.check)
+    action = names.ACTION_RAISED
+    exc: BaseException = _exc(msg)
+    if (
+        site.check == names.CHECK_GROUP_SIZES_CONSISTENCY
+        and _policy == names.POLICY_GUARD
+        and _called_from_store_builder()
+    ):
+        action = names.ACTION_STORE_DROPPED
+        exc = StoreDropped(msg) if msg is not _NO_MSG else StoreDropped()
+    _count_violation(site, site.check, action)
+    _flush_soon()
+    _events.check_failed(
+        site=site.site_id,
+        check=site.check,
+        policy=_policy,
+        action=action,
+        vllm_version=_vllm_version,
+        context=context,
+        message=None if msg is _NO_MSG else msg,
+    )
+    return exc
+
+
+def _called_from_store_builder() -> bool:
+    # frame 0: this helper, 1: _check_failed_assert, 2: check, 3: the vLLM function that
+    # holds the assert (GPULoadStoreSpec.__init__), 4: its caller.
+    frame = sys._getframe(4)
+    return frame.f_code in STORE_BUILDER_CODES
+
+
+def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int, int, int] | None:
+    """(kind, sliding_window, tokens_per_block, blocks_per_chunk, extra, vllm_window_chunks) or None.
+
+    Reads vLLM's own locals of ``update_state_after_alloc``: ``group_config`` (0.21-0.26:
+    ``gpu_block_size`` / ``sliding_window_size_in_blocks``; 0.33: ``tokens_per_block`` /
+    ``sliding_window_size_in_chunks`` / ``kv_cache_spec``) and ``self.config``
+    (``block_size_factor`` / ``blocks_per_chunk``). Older releases do not keep the
+    KV cache spec on the group config; the instrumentor records it on the scheduler
+    (``_kvguard_kv_specs``) when the scheduler is constructed.
+    """
+    group_config = context.get("group_config")
+    scheduler = context.get("self")
+    if group_config is None or scheduler is None:
+        return None
+    config = scheduler.config
+    bpc = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor")
+    tpb = getattr(group_config, "tokens_per_block", None) or getattr(group_config, "gpu_block_size")
+    window_chunks = getattr(group_config, "sliding_window_size_in_chunks", None)
+    if window_chunks is None:
+        window_chunks = getattr(group_config, "sliding_window_size_in_blocks", None)
+    spec = getattr(group_config, "kv_cache_spec", None)
+    if spec is None:
+        specs = getattr(scheduler, "_kvguard_kv_specs", None)
+        if specs is not None:
+            spec = specs.get(group_config.group_idx)
+    if spec is None:
+        return None
+    kind_name = type(spec).__name__
+    if kind_name == "SlidingWindowSpec" or hasattr(spec, "sliding_window") and "Sliding" in kind_name:
+        sw = int(spec.sliding_window)
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return ("swa", sw, int(tpb), int(bpc), extra, int(window_chunks or 0))
+    if "Mamba" in kind_name:
+        return ("mamba", 0, int(tpb), int(bpc), 0, int(window_chunks or 1))
+    return ("other", 0, int(tpb), int(bpc), 0, int(window_chunks or 0))
+
+
+def _vllm_window_bound(window_chunks: int, bpc: int) -> int:
+    bound = window_chunks * bpc
+    try:
+        if invariants.release_tuple(_vllm_version) >= invariants.release_tuple(
+            invariants.SWA_BOUND_RELAXED_IN
+        ):
+            bound += 1
+    except ValueError:
+        pass
+    return bound
+
+
+def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) -> BaseException | None:
+    try:
+        geometry = _window_geometry(context)
+    except Exception as error:
+        guard_error(names.STAGE_CONTEXT, error)
+        geometry = None
+    if geometry is None or geometry[0] == "other":
+        # Unknown group kind or geometry: vLLM's own assert decides.
+        check_name = names.CHECK_SCHEDULER_ASSERT
+        _count_eval(check_name)
+        if ok:
+            return None
+        _count_violation(site, check_name, names.ACTION_RAISED)
+        _flush_soon()
+        _events.check_failed(
+            site=site.site_id, check=check_name, policy=_policy, action=names.ACTION_RAISED,
+            vllm_version=_vllm_version, context=context, message=None,
+        )
+        return _exc(msg)
+
+    kind, sw, tpb, bpc, extra, window_chunks = geometry
+    pending = int(context.get("num_pending_gpu_blocks", 0))
+    vllm_bound = _vllm_window_bound(window_chunks, bpc)
+    if kind == "mamba":
+        # Mamba depends on a single state: never loosened (exactly vLLM's limit).
+        check_name = names.CHECK_MAMBA_STATE_LIMIT
+        exact = vllm_bound
+        exact_ok = ok
+    else:
+        check_name = names.CHECK_SWA_PENDING_BOUND
+        exact = invariants.swa_pending_bound(sw, tpb, extra)
+        exact_ok = pending <= exact
+        try:
+            _metrics.swa_ratio(pending / exact)
+        except Exception as error:
+            guard_error(names.STAGE_METRICS, error)
+    _count_eval(check_name)
+    if pending > _max_pending.get(check_name, -1):
+        _max_pending[check_name] = pending
+        _bound[check_name] = exact
+    elif check_name not in _bound:
+        _bound[check_name] = exact
+    if ok and exact_ok:
+        return None
+
+    if ok:  # vLLM's assert passed, the exact invariant did not
+        action = names.ACTION_RAISED if _policy == names.POLICY_STRICT else names.ACTION_CONTINUED
+        result: BaseException | None = (
+            AssertionError(
+                f"kvguard strict: {check_name}: {pending} pending GPU blocks > exact bound {exact}"
+            )
+            if action == names.ACTION_RAISED
+            else None
+        )
+    elif exact_ok and _policy == names.POLICY_GUARD:
+        action = ""
+        result = None
+    else:
+        action = names.ACTION_RAISED
+        result = _exc(msg)
+
+    request = context.get("request")
+    geometry_fields = dict(
+        site=site.site_id,
+        check=check_name,
+        policy=_policy,
+        vllm_version=_vllm_version,
+        request_id=getattr(request, "request_id", None),
+        sliding_window=sw if kind == "swa" else None,
+        tokens_per_block=tpb,
+        blocks_per_chunk=bpc,
+        extra_retained_tokens=extra,
+        num_cached_tokens=context.get("num_cached_tokens"),
+        pending_blocks=pending,
+        exact_bound=exact,
+        vllm_bound=vllm_bound,
+    )
+    if not action:
+        _count_tolerated(check_name)
+        _flush_soon()
+        _events.check_tolerated(**geometry_fields)
+        return None
+    _count_violation(site, check_name, action)
+    _flush_soon()
+    _events.check_failed(action=action, **geometry_fields)
+    return result
+
+
+def drop_store(site_id: str, context: dict[str, Any]) -> None:
+    """Release a dropped store's keys so no later request waits on them (vLLM #42945).
+
+    Called by the rewritten ``_build_store_jobs`` after :class:`StoreDropped`, with its
+    ``locals()``: ``self`` (the OffloadingConnectorScheduler), ``req_status`` and
+    ``keys_to_store``. Calls ``self.manager.complete_store(keys, req_context,
+    success=False)``, which frees the CPU blocks that ``prepare_store`` allocated and
+    never marks them stored. Never raises (errors count ``stage="store_drop"``).
+    """
+    try:
+        scheduler = context["self"]
+        req_status = context["req_status"]
+        keys = context["keys_to_store"]
+        scheduler.manager.complete_store(keys, req_status.req_context, success=False)
+        _events.store_dropped(
+            site=site_id,
+            check=names.CHECK_GROUP_SIZES_CONSISTENCY,
+            policy=_policy,
+            vllm_version=_vllm_version,
+            request_id=context.get("req_id"),
+            released_keys=len(keys),
+        )
+    except Exception as error:
+        guard_error(names.STAGE_STORE_DROP, error)
+
+
+def _evaluations_by_check() -> dict[str, int]:
+    totals = dict(_evals)
+    for index, passes in enumerate(PASSES):
+        if passes:
+            name = _CHECK_OF_INDEX[index]
+            totals[name] = totals.get(name, 0) + passes
+    return totals
+
+
+def flush(force: bool = True) -> None:
+    """Push evaluation counts accumulated in plain ints to the metrics sink.
+
+    Passing asserts only bump :data:`PASSES` (cheap); this turns them into
+    ``kvguard_check_evaluations_total`` increments. Called once per scheduler step (rate
+    limited to one per second), on every failure, by :func:`snapshot` and at uninstall.
+    """
+    global _last_flush
+    now = time.monotonic()
+    if not force and now - _last_flush < _FLUSH_INTERVAL_S:
+        return
+    _last_flush = now
+    try:
+        with _lock:
+            totals = _evaluations_by_check()
+            for name, total in totals.items():
+                delta = total - _flushed_evals.get(name, 0)
+                if delta > 0:
+                    _metrics.evaluations(name, delta)
+                    _flushed_evals[name] = total
+    except Exception as error:
+        guard_error(names.STAGE_METRICS, error)
+
+
+def _flush_soon() -> None:
+    flush(force=True)
+
+
+def step_flush() -> None:
+    """Once-per-step hook (wrapped around ``build_connector_meta``): rate-limited flush."""
+    flush(force=False)
+
+
+def snapshot() -> dict[str, dict[str, int | None]]:
+    """Per check name: ``{"evaluated", "tolerated", "violations", "max_pending_blocks", "bound"}``.
+
+    Every name of :data:`guards.names.CHECKS` is present. ``max_pending_blocks`` (GPU
+    blocks) and ``bound`` (the exact bound, GPU blocks, of the geometry where the max was
+    seen) are set for ``swa_pending_bound`` and ``mamba_state_limit`` once evaluated, else
+    None. Also flushes evaluation counts to the metrics sink.
+    """
+    flush(force=True)
+    totals = _evaluations_by_check()
+    result: dict[str, dict[str, int | None]] = {}
+    for name in names.CHECKS:
+        result[name] = {
+            "evaluated": totals.get(name, 0),
+            "tolerated": _tolerated.get(name, 0),
+            "violations": _violations.get(name, 0),
+            "max_pending_blocks": _max_pending.get(name),
+            "bound": _bound.get(name),
+        }
+    return result
+
+
+def reset() -> None:
+    """Zero every in-process counter (not the Prometheus ones) and forget the last failure."""
+    global _last_failed_site
+    with _lock:
+        for i in range(len(PASSES)):
+            PASSES[i] = 0  # in place: rewritten code holds this very list
+        for d in (_evals, _tolerated, _violations, _max_pending, _bound, _flushed_evals):
+            d.clear()
+        _last_failed_site = None
+
+
+def last_failed_site() -> str | None:
+    """Site id of the last check that raised in this process (for the fatal record), or None."""
+    return _last_failed_site
