@@ -66,23 +66,37 @@ class StateDirCollector(Collector):
             raise ValueError(f"metrics dir {self.path!r} is not a directory")
         self.bad_files: list[str] = []
 
+    @staticmethod
+    def _check_header(path: str) -> None:
+        """``mmap_dict``'s layout starts with a 4-byte little-endian ``used`` count that
+        includes the 8-byte header; a value outside ``8..file size`` is corruption that
+        the library would silently read as "no samples"."""
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if len(head) < 4:
+            raise ValueError(f"truncated header ({size} bytes)")
+        used = int.from_bytes(head, "little", signed=True)
+        if not 8 <= used <= size:
+            raise ValueError(f"used={used} outside 8..{size}")
+
     def collect(self) -> Iterator[Metric]:
-        files = sorted(glob.glob(os.path.join(self.path, "*.db")))
-        try:
-            metrics = list(MultiProcessCollector.merge(files, accumulate=True))
-        except Exception:
-            good = []
-            for f in files:
-                try:
-                    MultiProcessCollector._read_metrics([f])
-                    good.append(f)
-                except Exception as e:
-                    self.bad_files.append(f"{os.path.basename(f)}: {type(e).__name__}: {e}")
+        good = []
+        for f in sorted(glob.glob(os.path.join(self.path, "*.db"))):
             try:
-                metrics = list(MultiProcessCollector.merge(good, accumulate=True))
-            except Exception as e:  # pragma: no cover - good files failed together
-                self.bad_files.append(f"*: {type(e).__name__}: {e}")
-                metrics = []
+                self._check_header(f)
+                # Parse this file alone: a bad one must not sink the others.
+                MultiProcessCollector._read_metrics([f])
+                good.append(f)
+            except FileNotFoundError:
+                continue  # a live gauge file removed by mark_process_dead meanwhile
+            except Exception as e:
+                self.bad_files.append(f"{os.path.basename(f)}: {type(e).__name__}: {e}")
+        try:
+            metrics = list(MultiProcessCollector.merge(good, accumulate=True))
+        except Exception as e:  # pragma: no cover - files changed between check and merge
+            self.bad_files.append(f"*: {type(e).__name__}: {e}")
+            metrics = []
         yield from metrics
 
 

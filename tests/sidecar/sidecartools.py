@@ -55,3 +55,56 @@ class KvguardRun:
             self.proc.wait(10)
 
 
+
+
+class FakeVllm:
+    """A tiny real HTTP server on loopback that answers like vLLM's OpenAI server:
+    ``/health`` (status settable), ``/v1/models``, ``/version``. Flip ``health`` to
+    play an engine death; :meth:`stop` to play the API server exiting."""
+
+    def __init__(self, version: str = "0.32.0") -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.health = 200
+        self.models = 200
+        self.version = version
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/health":
+                    code, body = fake.health, b""
+                elif self.path == "/v1/models":
+                    code, body = fake.models, json.dumps({"data": [{"id": "tiny"}]}).encode()
+                elif self.path == "/version":
+                    code, body = 200, json.dumps({"version": fake.version}).encode()
+                else:
+                    code, body = 404, b""
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,194 @@
+"""sidecar/app.py: create_app(cfg) in process (TestClient runs the lifespan, so the real
+poller polls a real fake-vLLM HTTP server), and once over real loopback HTTP (uvicorn)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from sidecartools import FakeVllm, busy_wait, free_port
+
+from guards.statefile import FatalRecord, StateDir, write_fatal_record
+from sidecar.app import create_app
+from sidecar.config import SidecarConfig
+
+
+@pytest.fixture
+def fake():
+    f = FakeVllm()
+    yield f
+    f.stop()
+
+
+def cfg(url: str, state_dir=None, **kw) -> SidecarConfig:
+    return SidecarConfig(vllm_url=url, state_dir=state_dir, poll_interval=0.05, health_timeout=0.5, **kw)
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def write_mp(metrics_dir, code: str) -> None:
+    """Run ``code`` in a fresh process with prometheus-client multiprocess mode on
+    ``metrics_dir``: the real writer format, one pid per call."""
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", "from prometheus_client import *\n" + code], env=env, check=True)
+
+
+def test_probes_follow_vllm_health(fake):
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/livez").status_code == 200)
+        assert busy_wait(lambda: client.get("/readyz").status_code == 200)
+        assert client.get("/livez").json() == {"status": "ok", "engine": "up", "detail": None}
+        fake.models = 500
+        busy_wait(lambda: client.get("/readyz").status_code == 503)
+        assert client.get("/livez").status_code == 200  # /v1/models is readiness only
+        fake.health = 503
+        busy_wait(lambda: client.get("/livez").status_code == 503)
+        body = client.get("/livez").json()
+        assert body == {"status": "fail", "engine": "dead", "detail": "vLLM /health answered 503"}
+        m = samples(client.get("/metrics").text)
+        assert m[("kvguard_engine_up", ())] == 0.0
+        assert m[("kvguard_engine_deaths_total", ())] == 1.0
+        fake.health, fake.models = 200, 200
+        busy_wait(lambda: client.get("/readyz").status_code == 200)
+        assert client.get("/status").json()["engine"]["deaths"] == 1
+
+
+def test_starting_is_not_live(fake):
+    fake.health = 503
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/status").json()["engine"]["health_status"] == 503)
+        assert client.get("/livez").status_code == 503
+        assert client.get("/livez").json()["engine"] == "starting"
+        assert client.get("/status").json()["engine"]["deaths"] == 0
+
+
+def test_metrics_merge_multiprocess_files_across_pids(fake, tmp_path):
+    state = StateDir(tmp_path).ensure()
+    inc = "c = Counter('kvguard_check_evaluations', 'h', ['check']); c.labels('swa_pending_bound').inc({n})\n"
+    write_mp(state.metrics, inc.format(n=3))
+    write_mp(state.metrics, inc.format(n=4))
+    write_mp(
+        state.metrics,
+        "Counter('kvguard_check_tolerated', 'h', ['check']).labels('swa_pending_bound').inc(2)\n"
+        "Counter('kvguard_invariant_violations', 'h', ['check', 'action']).labels('swa_pending_bound', 'raise').inc()\n"
+        "Counter('kvguard_engine_fatal', 'h', ['exception']).labels('AssertionError').inc()\n",
+    )
+    with TestClient(create_app(cfg(fake.url, tmp_path, vllm_version="0.32.0"))) as client:
+        text = client.get("/metrics").text
+        m = samples(text)
+        assert m[("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),))] == 7.0
+        assert m[("kvguard_engine_fatal_total", (("exception", "AssertionError"),))] == 1.0
+        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0")))] == 1.0
+        assert text.count("# TYPE kvguard_engine_fatal_total counter") == 1
+        status = client.get("/status").json()
+        assert status["checks"] == {
+            "swa_pending_bound": {"evaluated": 7.0, "tolerated": 2.0, "violations": 1.0}
+        }
+        assert status["policy"] == "guard"
+        assert status["versions"] == {"kvguard": "0.1.0", "vllm": "0.32.0"}
+
+
+def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
+    state = StateDir(tmp_path).ensure()
+    write_mp(state.metrics, "Counter('kvguard_engine_fatal', 'h', ['exception']).labels('AssertionError').inc()\n")
+    with TestClient(create_app(cfg(fake.url, tmp_path))) as client:
+        busy_wait(lambda: client.get("/livez").status_code == 200)
+        rec = FatalRecord("AssertionError", "pending 129 > 128", "swa_pending_bound", 1234.5, 99, "0.25.1", "running")
+        write_fatal_record(state, rec)
+        write_fatal_record(state, FatalRecord("RuntimeError", "worker died", None, 1240.0, 98, "0.25.1", "running"))
+        busy_wait(lambda: client.get("/livez").status_code == 503)
+        assert client.get("/livez").json()["detail"] == (
+            "engine fatal during running: RuntimeError: worker died (pid=98)"
+        )
+        status = client.get("/status").json()
+        assert status["engine"]["state"] == "dead"
+        assert status["last_fatal"] == {
+            "exception": "RuntimeError", "message": "worker died", "site": None,
+            "time": 1240.0, "pid": 98, "phase": "running",
+        }
+        m = samples(client.get("/metrics").text)
+        # max(engine counter, records) per exception: nothing counted twice.
+        assert m[("kvguard_engine_fatal_total", (("exception", "AssertionError"),))] == 1.0
+        assert m[("kvguard_engine_fatal_total", (("exception", "RuntimeError"),))] == 1.0
+        assert m[("kvguard_engine_deaths_total", ())] == 1.0
+        assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0"))) in m
+
+
+def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_path):
+    missing = tmp_path / "missing"
+    with TestClient(create_app(cfg(fake.url, missing))) as client:
+        r = client.get("/metrics")
+        assert r.status_code == 200
+        assert samples(r.text)[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] >= 1.0
+        assert client.get("/status").status_code == 200
+
+    state = StateDir(tmp_path / "s").ensure()
+    with TestClient(create_app(cfg(fake.url, state.root))) as client:  # empty
+        m = samples(client.get("/metrics").text)
+        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] == 0.0
+        assert m[("kvguard_engine_up", ())] in (0.0, 1.0)
+
+    write_mp(state.metrics, "Counter('kvguard_check_evaluations', 'h', ['check']).labels('x').inc(5)\n")
+    (state.metrics / "counter_999999.db").write_bytes(b"\xff" * 64)  # corrupt
+    (state.metrics / "gauge_max_999998.db").write_bytes(b"")  # truncated to nothing
+    (state.fatal / "777.json").write_text('{"exception": "Assert')  # torn record
+    with TestClient(create_app(cfg(fake.url, state.root))) as client:
+        busy_wait(lambda: client.get("/livez").status_code == 200)
+        r = client.get("/metrics")
+        assert r.status_code == 200
+        m = samples(r.text)
+        assert m[("kvguard_check_evaluations_total", (("check", "x"),))] == 5.0
+        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 2.0
+        assert m[("kvguard_sidecar_errors_total", (("source", "fatal_record"),))] == 1.0
+        assert client.get("/status").json()["last_fatal"] is None
+
+
+def test_healthz_and_openapi(fake):
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/healthz").json()["last_poll_age_s"] is not None)
+        assert client.get("/healthz").status_code == 200
+        spec = client.get("/openapi.json").json()
+        assert set(spec["paths"]) == {"/metrics", "/livez", "/readyz", "/status", "/healthz"}
+        assert "StatusResponse" in spec["components"]["schemas"]
+
+
+def test_over_real_loopback_http(fake):
+    """uvicorn serving create_app on a real port; vLLM's server going away flips /livez."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg(fake.url, port=port, host="127.0.0.1")), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def get(path: str) -> int:
+            try:
+                return httpx.get(base + path, timeout=2).status_code
+            except httpx.HTTPError:
+                return 0
+
+        busy_wait(lambda: get("/readyz") == 200, timeout=20)
+        assert "kvguard_engine_up 1.0" in httpx.get(base + "/metrics").text
+        fake.stop()  # the API server process is gone: connection refused
+        busy_wait(lambda: get("/livez") == 503, timeout=5)
+        assert httpx.get(base + "/status").json()["engine"]["error"].startswith("ConnectError")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert not thread.is_alive()

@@ -1,0 +1,114 @@
+"""``kvguard sidecar`` / ``kvguard run``: flags -> config, environment fallback, and a bad
+setting stops the command naming it (after uvicorn's tests/test_cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import sidecar.app
+import sidecar.logconfig
+import sidecar.supervisor
+from sidecar.cli import main
+from sidecar.config import DEFAULT_TERMINATION_LOG, SidecarConfig, SupervisorConfig
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    got: dict[str, object] = {}
+    monkeypatch.setattr(sidecar.app, "run_sidecar", lambda cfg: got.setdefault("sidecar", cfg))
+
+    def fake_supervisor(cfg):
+        got["run"] = cfg
+        return 70
+
+    monkeypatch.setattr(sidecar.supervisor, "run_supervisor", fake_supervisor)
+    monkeypatch.setattr(sidecar.logconfig, "configure_logging", lambda *a, **k: None)
+    for var in ("KVGUARD_STATE_DIR", "KVGUARD_VLLM_URL", "KVGUARD_PORT", "KVGUARD_GRACE", "KVGUARD_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    return got
+
+
+def invoke(args, env=None):
+    return CliRunner().invoke(main, args, env=env, catch_exceptions=False)
+
+
+def test_sidecar_defaults(captured):
+    r = invoke(["sidecar"])
+    assert r.exit_code == 0, r.output
+    assert captured["sidecar"] == SidecarConfig(
+        vllm_url="http://127.0.0.1:8000", state_dir=None, host="0.0.0.0", port=9400,
+        poll_interval=0.2, health_timeout=0.5, vllm_version=None, policy="guard",
+        log_level="info", log_json=True,
+    )
+
+
+def test_sidecar_flags_map_one_to_one(captured, tmp_path):
+    r = invoke([
+        "sidecar", "--vllm-url", "http://10.0.0.1:8001/", "--state-dir", str(tmp_path),
+        "--host", "127.0.0.1", "--port", "9500", "--poll-interval", "0.1", "--health-timeout", "0.3",
+        "--vllm-version", "0.33.0", "--policy", "strict", "--log-level", "DEBUG", "--log-console",
+    ])
+    assert r.exit_code == 0, r.output
+    cfg = captured["sidecar"]
+    assert (cfg.vllm_url, cfg.state_dir, cfg.host, cfg.port) == ("http://10.0.0.1:8001", tmp_path, "127.0.0.1", 9500)
+    assert (cfg.poll_interval, cfg.health_timeout, cfg.vllm_version) == (0.1, 0.3, "0.33.0")
+    assert (cfg.policy, cfg.log_level, cfg.log_json) == ("strict", "debug", False)
+
+
+def test_environment_is_the_fallback_and_flags_win(captured, tmp_path):
+    env = {"KVGUARD_STATE_DIR": str(tmp_path), "KVGUARD_PORT": "9600", "KVGUARD_VLLM_URL": "http://h:1"}
+    assert invoke(["sidecar", "--port", "9700"], env=env).exit_code == 0
+    cfg = captured["sidecar"]
+    assert (cfg.state_dir, cfg.port, cfg.vllm_url) == (tmp_path, 9700, "http://h:1")
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--port", "70000"], {}, "invalid setting KVGUARD_PORT (--port): must be in 0..65535"),
+        (["--poll-interval", "0"], {}, "invalid setting KVGUARD_POLL_INTERVAL (--poll-interval): must be > 0"),
+        (["--vllm-url", "localhost:8000"], {}, "invalid setting KVGUARD_VLLM_URL (--vllm-url): must be an http(s) URL"),
+        ([], {"KVGUARD_POLICY": "yolo"}, "invalid setting KVGUARD_POLICY (--policy): must be one of observe, guard, strict"),
+        ([], {"KVGUARD_PORT": "x"}, "invalid setting KVGUARD_PORT (--port): Input should be a valid integer"),
+    ],
+)
+def test_bad_sidecar_setting_fails_at_start_naming_it(captured, args, env, message):
+    r = CliRunner().invoke(main, ["sidecar", *args], env=env)
+    assert r.exit_code == 2
+    assert message in r.output
+    assert "sidecar" not in captured
+
+
+def test_run_maps_flags_and_passes_the_exit_code(captured, tmp_path):
+    r = invoke([
+        "run", "--termination-log", str(tmp_path / "t"), "--grace", "5", "--state-dir", str(tmp_path),
+        "--fatal-wait", "1", "--", "python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000",
+    ])
+    assert r.exit_code == 70
+    assert captured["run"] == SupervisorConfig(
+        command=("python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"),
+        termination_log=tmp_path / "t", grace=5.0, state_dir=tmp_path, fatal_wait=1.0,
+    )
+
+
+def test_run_defaults(captured):
+    assert invoke(["run", "--", "true"]).exit_code == 70
+    cfg = captured["run"]
+    assert (cfg.termination_log, cfg.grace, cfg.state_dir, cfg.fatal_wait) == (DEFAULT_TERMINATION_LOG, 30.0, None, 0.5)
+    assert DEFAULT_TERMINATION_LOG == Path("/dev/termination-log")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run"], "invalid setting CMD (argument): no command given"),
+        (["run", "--grace", "-1", "--", "true"], "invalid setting KVGUARD_GRACE (--grace): must be >= 0"),
+    ],
+)
+def test_bad_run_setting_fails_at_start_naming_it(captured, args, message):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and message in r.output
+    assert "run" not in captured
