@@ -176,24 +176,37 @@ def test_grid_positions_do_not_overlap():
     assert len({p["id"] for p in DASH["panels"]}) == len(DASH["panels"])
 
 
-def test_sidecar_scrape_serves_the_sidecar_families_the_dashboard_uses(tmp_path):
-    """Scrape the real sidecar app (sidecar.app.create_app) in process and compare names."""
+def test_every_kvguard_metric_used_is_in_a_real_sidecar_scrape(tmp_path):
+    """Write the engine side's metric files with the real exporter (guards.metrics, as the
+    plugin does inside EngineCore), serve them with the real sidecar app
+    (sidecar.app.create_app), scrape /metrics in process, and compare names: every kvguard_*
+    series the dashboard or the alert rules name must be in the scrape."""
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
+    from guards.metrics import GuardMetrics
     from sidecar.app import create_app
     from sidecar.config import SidecarConfig
 
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "fatal").mkdir()
+    from guards.sites import SITE_IDS
+
+    metrics = GuardMetrics(state_dir=tmp_path)  # pre-creates the check/stage series at 0
+    site = sorted(SITE_IDS)[0]
+    metrics.site_installed(site, True)  # what the instrumentor does per installed site
+    (tmp_path / "fatal").mkdir(exist_ok=True)
     # no lifespan: the health poller does not run; nothing listens on this port
     app = create_app(SidecarConfig(vllm_url="http://127.0.0.1:9", state_dir=tmp_path))
-    body = TestClient(app).get("/metrics").text
-    series = set()
-    for fam in text_string_to_metric_families(body):
-        series.add(fam.name + "_total" if fam.type == "counter" else fam.name)
+    res = TestClient(app).get("/metrics")
+    assert res.status_code == 200
+    scraped = set()
+    for fam in text_string_to_metric_families(res.text):
+        scraped.add(fam.name + "_total" if fam.type == "counter" else fam.name)
+        scraped.update(s.name for s in fam.samples)
     used = {n for _, t in TARGETS for n in metric_names(t["expr"]) if n.startswith("kvguard_")}
-    sidecar_side = {"kvguard_engine_up", "kvguard_engine_deaths_total", "kvguard_engine_fatal_total",
-                    "kvguard_build_info"}
-    assert sidecar_side <= used
-    assert sidecar_side <= series, body
+    rules = yaml.safe_load((DASHBOARDS / "alerts.yaml").read_text())["groups"][0]["rules"]
+    used |= {n for r in rules for n in metric_names(r["expr"]) if n.startswith("kvguard_")}
+    assert len(used) >= 9
+    assert used - scraped == set(), res.text
+    # engine-side series really came from the files (a check series at 0), not only the sidecar
+    assert 'kvguard_check_tolerated_total{check="swa_pending_bound"} 0.0' in res.text
+    assert f'kvguard_site_installed{{site="{site}"}} 1.0' in res.text
