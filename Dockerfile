@@ -43,4 +43,4 @@ ENV KVGUARD_STATE_DIR=/var/run/kvguard \
     KVGUARD_POLICY=guard
 EXPOSE 8000
 ENTRYPOINT ["kvguard", "run", "--"]
-CMD ["vllm", "serve", "--help"]
+CMD ["vllm", "serve"]
