@@ -237,10 +237,11 @@ def uninstall() -> None:
     with _lock:
         for cls, method in _wrapped:
             try:
+                import wrapt
+
                 current = cls.__dict__.get(method)
-                original = getattr(current, "__wrapped__", None)
-                if original is not None:
-                    setattr(cls, method, original)
+                if isinstance(current, wrapt.ObjectProxy):
+                    setattr(cls, method, current.__wrapped__)
             except Exception:
                 pass
         _wrapped.clear()
