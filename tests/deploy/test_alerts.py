@@ -118,3 +118,37 @@ def test_unit_tests_pin_the_severity(tmp_path, alert):
 
     out = _mutated_run(tmp_path, alert, flip)
     assert "severity" in out
+
+
+def test_runbooks_name_real_dashboard_panels_and_status_fields():
+    import json as _json
+
+    from sidecar.app import StatusResponse
+
+    titles = {p["title"] for p in _json.loads((DASHBOARDS / "kvguard.json").read_text())["panels"]}
+    top = StatusResponse.model_fields
+
+    def nested(key: str) -> set[str]:
+        ann = top[key].annotation
+        for cand in (ann, *getattr(ann, "__args__", ())):  # X | None, dict[str, X]
+            if hasattr(cand, "model_fields"):
+                return set(cand.model_fields)
+        raise AssertionError(key)
+
+    quoted_panels = status_paths = 0
+    for rule in _rules():
+        text = (ROOT / "docs" / "runbooks" / (rule["alert"] + ".md")).read_text()
+        for line in text.splitlines():
+            if "Grafana" in line or 'dashboard "' in line:
+                for title in re.findall(r'"([^"]+)"', line):
+                    assert title in titles, f"{rule['alert']}: no panel {title!r}"
+                    quoted_panels += 1
+        # /status JSON paths quoted as `engine.state`, `checks.<check>.tolerated`, `last_fatal`
+        for path in re.findall(r"`((?:engine|last_fatal|checks|versions)(?:\.[\w<>]+)*)`", text):
+            parts = path.split(".")
+            assert parts[0] in top, path
+            leaf = parts[-1]
+            if len(parts) > 1 and not leaf.startswith("<"):
+                assert leaf in nested(parts[0]), f"{rule['alert']}: /status has no {path}"
+            status_paths += 1
+    assert quoted_panels >= 8 and status_paths >= 8
