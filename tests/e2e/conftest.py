@@ -1,0 +1,66 @@
+"""Fixtures for the real-server end-to-end tests: tiny models and a small fleet of servers.
+
+Server starts are the cost (a minute or more each on 2 cores), so each scenario gets
+exactly one server, and the next servers start in the background while the current test
+runs (at most three at a time, to bound memory). Every server is stopped in a finally.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from e2etools import Server, make_tiny_mistral
+
+#: name -> (model key, supervised by kvguard run, with a sidecar)
+PLAN: dict[str, tuple[str, bool, bool]] = {
+    "supervised": ("m64", True, True),   # (a) normal running, then (b) EngineCore SIGKILL
+    "plain": ("m64", False, False),      # (b) the same kill without kvguard: exit 0 (#48966)
+    "worker_crash": ("m16", True, True), # (e) head_dim 16 rejected by the CPU attention kernel
+    "sigterm": ("m64", True, False),     # (c) clean stop
+    "kill_api": ("m64", True, False),    # (d) API server SIGKILLed
+}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"m64": make_tiny_mistral(root / "m64", 64), "m16": make_tiny_mistral(root / "m16", 16)}
+
+
+class Fleet:
+    def __init__(self, models: dict[str, Path], root: Path) -> None:
+        self.models = models
+        self.root = root
+        self.servers: dict[str, Server] = {}
+
+    def start(self, *names: str) -> None:
+        for name in names:
+            if name not in self.servers:
+                model, supervised, sidecar = PLAN[name]
+                self.servers[name] = Server(name, self.models[model], self.root / name, supervised, sidecar)
+
+    def get(self, name: str, prefetch: tuple[str, ...] = ()) -> Server:
+        self.start(name, *prefetch)
+        return self.servers[name]
+
+    def done(self, name: str) -> None:
+        server = self.servers.get(name)
+        if server is not None:
+            server.stop()
+
+    def stop_all(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    started = time.monotonic()
+    f = Fleet(models, tmp_path_factory.mktemp("fleet"))
+    try:
+        yield f
+    finally:
+        f.stop_all()
+        print(f"\n[e2e] module wall time (servers, incl. model creation excluded): {time.monotonic() - started:.1f}s")
