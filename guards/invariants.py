@@ -15,6 +15,7 @@ __all__ = [
     "cdiv",
     "swa_pending_bound",
     "swa_pending_blocks",
+    "swa_pending_max",
     "swa_skipped_tokens",
     "vllm_asserted_swa_bound",
     "mamba_pending_limit",
@@ -45,6 +46,12 @@ def swa_pending_bound(
     one more block than ``sw / tokens_per_block``. For window 4096, block 32 this is
     129 (vLLM <= 0.26 asserted 128 and crashed at ``num_cached_tokens = 98012``).
 
+    It is an upper bound of vLLM's own rule (:func:`swa_pending_blocks`) for every
+    ``num_cached_tokens``, and equal to the true maximum (:func:`swa_pending_max`)
+    except when ``(sliding_window_tokens + extra_retained_tokens) % tokens_per_block ==
+    2 % tokens_per_block`` (e.g. any window with ``tokens_per_block == 1``), where the
+    true maximum is one block less (checked exhaustively in tests/guards/test_invariants.py).
+
     Raises ``ValueError`` for a non-positive window or block size, or a negative
     ``extra_retained_tokens`` (MTP tokens retained past the window).
     """
@@ -53,6 +60,20 @@ def swa_pending_bound(
             "need sliding_window_tokens > 0, tokens_per_block > 0, extra_retained_tokens >= 0"
         )
     return cdiv(sliding_window_tokens + extra_retained_tokens + tokens_per_block - 1, tokens_per_block)
+
+
+def swa_pending_max(
+    sliding_window_tokens: int, tokens_per_block: int, extra_retained_tokens: int = 0
+) -> int:
+    """The true maximum of :func:`swa_pending_blocks` over all ``num_cached_tokens`` (GPU blocks).
+
+    vLLM retains ``L = sliding_window + extra_retained_tokens - 1`` tokens before the
+    last one; ``L`` consecutive tokens touch at most ``cdiv(L - 1, tokens_per_block) + 1``
+    blocks. Same ``ValueError`` cases as :func:`swa_pending_bound`.
+    """
+    swa_pending_bound(sliding_window_tokens, tokens_per_block, extra_retained_tokens)  # validates
+    retained = sliding_window_tokens + extra_retained_tokens - 1
+    return cdiv(retained - 1, tokens_per_block) + 1
 
 
 def swa_skipped_tokens(

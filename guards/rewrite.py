@@ -314,6 +314,10 @@ class SiteRewriter(ast.NodeTransformer):
                 args.append(node.msg)
             return _gen(ast.Call(func=_gen(_name(GLOBAL_CHECK)), args=args, keywords=[]))  # type: ignore[return-value]
 
+        # CPython attributes an assert's raise to its test expression: so do we.
+        raise_stmt = ast.Raise(exc=_name(_LOCAL_EXC), cause=None)
+        for sub in ast.walk(raise_stmt):
+            ast.copy_location(sub, node.test)
         raise_if = _gen(
             ast.If(
                 test=_gen(
@@ -323,7 +327,7 @@ class SiteRewriter(ast.NodeTransformer):
                         comparators=[_gen(ast.Constant(None))],
                     )
                 ),
-                body=[_gen(ast.Raise(exc=_gen(_name(_LOCAL_EXC)), cause=None))],
+                body=[raise_stmt],
                 orelse=[],
             )
         )

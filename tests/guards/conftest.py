@@ -1,0 +1,37 @@
+"""Fixtures for the light guards tests: a clean runtime and instrumentor around each test."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from guards import runtime
+from guards.instrumentor import OffloadGuardInstrumentor
+from guards.metrics import GuardMetrics
+
+
+@pytest.fixture(autouse=True)
+def _clean_guards():
+    OffloadGuardInstrumentor().uninstall() if OffloadGuardInstrumentor().is_installed else None
+    runtime.reset()
+    yield
+    if OffloadGuardInstrumentor().is_installed:
+        OffloadGuardInstrumentor().uninstall()
+    runtime.unconfigure()
+    runtime.reset()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> GuardMetrics:
+    return GuardMetrics(registry=registry)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value, 0.0 when absent."""
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

@@ -1,0 +1,260 @@
+"""The assert -> check AST pass (after pytest's testing/test_assertrewrite.py)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import textwrap
+import traceback
+
+import pytest
+
+from guards import events, runtime
+from guards.hook import GuardFinder
+from guards.instrumentor import OffloadGuardInstrumentor, _injected_globals
+from guards.rewrite import (
+    INJECTED_GLOBALS,
+    KIND_ASSERT,
+    KIND_STORE_CALL,
+    KIND_WINDOW,
+    SiteSpec,
+    extract_function_code,
+    iter_asserts,
+    normalize_assert,
+    rewrite_function,
+)
+from guards.settings import GuardSettings
+from guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND, SITES_BY_ID
+
+import fakevllm
+
+SRC = textwrap.dedent(
+    '''
+    def f(x, y):
+        assert x >= 0
+        assert (
+            x
+            <= y
+        ), "x above y"
+        return x
+    '''
+)
+
+
+def rewrite(src: str, qualname: str, specs: list[SiteSpec]) -> tuple[ast.Module, set[str]]:
+    result = rewrite_function(ast.parse(src), qualname, specs)
+    assert result is not None
+    return result
+
+
+def run_rewritten(src: str, qualname: str, specs: list[SiteSpec]):
+    """Compile the rewritten function as the instrumentor does; return it."""
+    module, _ = rewrite(src, qualname, specs)
+    code = compile(module, "<vllm-test>", "exec")
+    namespace: dict = dict(_injected_globals())
+    exec(code, namespace)
+    obj = namespace
+    for part in qualname.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+def getmsg(func, *args) -> tuple[str, int]:
+    """Call ``func``; return (str(AssertionError), line of the frame that raised it)."""
+    with pytest.raises(AssertionError) as info:
+        func(*args)
+    tb = info.value.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(info.value), tb.tb_lineno
+
+
+def spec(fingerprint: str, site_id: str = SITE_GROUP_SIZES_SUM, kind: str = KIND_ASSERT) -> SiteSpec:
+    return SiteSpec(site_id, kind, (fingerprint,), 1)
+
+
+def test_fingerprint_ignores_layout_and_message():
+    tree = ast.parse(SRC)
+    assert [fp for _, fp, _ in iter_asserts(tree)] == ["x >= 0", "x <= y"]
+    assert [line for _, _, line in iter_asserts(tree)] == [3, 4]
+
+
+def test_unlisted_asserts_stay_identical():
+    original = ast.parse(SRC).body[0]
+    module, found = rewrite(SRC, "f", [spec("x <= y")])
+    new = module.body[0]
+    assert found == {SITE_GROUP_SIZES_SUM}
+    assert ast.dump(new.body[0], include_attributes=True) == ast.dump(original.body[0], include_attributes=True)
+    assert isinstance(new.body[1], ast.If)  # the listed one became a check
+    assert ast.dump(new.body[2], include_attributes=True) == ast.dump(original.body[2], include_attributes=True)
+
+
+def test_input_tree_is_not_modified():
+    tree = ast.parse(SRC)
+    before = ast.dump(tree, include_attributes=True)
+    rewrite_function(tree, "f", [spec("x <= y")])
+    assert ast.dump(tree, include_attributes=True) == before
+
+
+def test_location_is_set():
+    module, _ = rewrite(SRC, "f", [spec("x >= 0"), spec("x <= y")])
+    spans = [(3, 3), (4, 7)]
+    for stmt, (first, last) in zip(module.body[0].body[:2], spans):
+        for node in ast.walk(stmt):
+            if "lineno" in node._attributes:
+                assert first <= node.lineno <= last, ast.dump(node)
+                assert first <= node.end_lineno <= last
+
+
+def test_positions_are_preserved():
+    namespace: dict = {}
+    exec(compile(ast.parse(SRC), "<vllm-test>", "exec"), namespace)
+    plain = getmsg(namespace["f"], 5, 1)
+    guarded = getmsg(run_rewritten(SRC, "f", [spec("x <= y")]), 5, 1)
+    assert plain == guarded  # same message, same line as CPython's own assert
+    assert plain[0] == "x above y" and plain[1] in (4, 5)
+    plain = getmsg(namespace["f"], -1, 1)
+    guarded = getmsg(run_rewritten(SRC, "f", [spec("x >= 0")]), -1, 1)
+    assert plain == guarded == ("", 3)
+
+
+def test_message_is_evaluated_only_on_failure():
+    src = textwrap.dedent(
+        '''
+        def f(x, calls):
+            assert x, calls.append("msg") or "m"
+            return calls
+        '''
+    )
+    func = run_rewritten(src, "f", [spec("x")])
+    assert func(1, []) == []
+    calls: list = []
+    with pytest.raises(AssertionError, match="m"):
+        func(0, calls)
+    assert calls == ["msg"]
+
+
+def test_passing_check_counts_in_passes_slot():
+    func = run_rewritten(SRC, "f", [SiteSpec(SITE_GROUP_SIZES_SUM, KIND_ASSERT, ("x <= y",), 3)])
+    assert [func(1, 2) for _ in range(5)] == [1] * 5
+    assert runtime.PASSES[3] == 5
+
+
+def test_super_keeps_its_class_cell():
+    src = textwrap.dedent(
+        '''
+        class A:
+            def __init__(self, v):
+                self.v = v
+
+        class B(A):
+            def __init__(self, v):
+                super().__init__(v)
+                assert v > 0
+        '''
+    )
+    namespace: dict = {}
+    exec(compile(src, "<vllm-test>", "exec"), namespace)
+    old = namespace["B"].__init__
+    module, _ = rewrite(src, "B.__init__", [spec("v > 0")])
+    code = extract_function_code(compile(module, "<vllm-test>", "exec"), "B.__init__")
+    assert code.co_freevars == old.__code__.co_freevars == ("__class__",)
+    old.__code__ = code
+    namespace.update(_injected_globals())
+    assert namespace["B"](3).v == 3
+    assert getmsg(namespace["B"], -1)[1] == 9
+
+
+def test_store_call_needs_an_enclosing_loop():
+    src = textwrap.dedent(
+        '''
+        def outside(src_block_ids, group_sizes, block_indices):
+            src_spec = GPULoadStoreSpec(src_block_ids, group_sizes=group_sizes, block_indices=block_indices)
+            return src_spec
+
+        def inside(items):
+            out = []
+            for src_block_ids, group_sizes, block_indices in items:
+                src_spec = GPULoadStoreSpec(
+                    src_block_ids, group_sizes=group_sizes, block_indices=block_indices
+                )
+                out.append(src_spec)
+            return out
+        '''
+    )
+    fp = SITES_BY_ID[SITE_STORE_DROP].targets[0][1]
+    store = SiteSpec(SITE_STORE_DROP, KIND_STORE_CALL, (fp,), 0)
+    assert rewrite(src, "outside", [store])[1] == set()
+    module, found = rewrite(src, "inside", [store])
+    assert found == {SITE_STORE_DROP}
+    loop = module.body[0].body[1]
+    assert isinstance(loop.body[0], ast.Try) and loop.body[0].lineno == 9
+
+
+def test_generated_names_cannot_clash():
+    for name in INJECTED_GLOBALS:
+        assert not name.isidentifier()
+
+
+class TestEarlyRewriteBailout:
+    def test_other_modules_cost_one_lookup(self):
+        seen = []
+        finder = GuardFinder({"vllm.v1.kv_offload.base"}, seen.append, seen.append)
+        assert finder.find_spec("json") is None
+        assert finder.find_spec("vllm.v1.kv_offload") is None
+        assert finder.lookups == 0 and seen == []
+
+    def test_target_module_is_hooked_and_instrumented_at_import(self, tmp_path, metrics):
+        with fakevllm.fake_vllm(tmp_path):
+            assert OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+            assert fakevllm.BASE not in sys.modules
+            import vllm.v1.kv_offload.base as base
+
+            assert type(base.__spec__.loader).__name__ == "_PostImportLoader"
+            assert OffloadGuardInstrumentor().site_status()[SITE_GROUP_SIZES_SUM] == "installed"
+            assert base.GPULoadStoreSpec.__init__.__code__.co_filename == base.__file__
+
+
+def test_already_imported_is_reported(tmp_path, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        import vllm.v1.kv_offload.base  # noqa: F401  imported before install
+
+        with events.capture() as logged:
+            OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        assert {"event": "already_imported", "module": fakevllm.BASE}.items() <= next(
+            e for e in logged if e["event"] == "already_imported"
+        ).items()
+        assert OffloadGuardInstrumentor().site_status()[SITE_GROUP_SIZES_SUM] == "installed"
+
+
+class TestIssue48959:
+    FP_0_25 = "num_pending_gpu_blocks <= group_config.sliding_window_size_in_blocks * self.config.block_size_factor"
+    FP_0_33 = (
+        "num_pending_gpu_blocks <= group_config.sliding_window_size_in_chunks * self.config.blocks_per_chunk + 1"
+    )
+
+    def test_table_accepts_both_spellings(self):
+        fps = {fp for _, fp in SITES_BY_ID[SITE_SWA_PENDING_BOUND].targets}
+        assert {self.FP_0_25, self.FP_0_33} <= fps
+
+    def test_window_site_calls_check_on_every_evaluation(self):
+        src = textwrap.dedent(
+            f'''
+            def load(num_pending_gpu_blocks, group_config, self):
+                assert (
+                    {self.FP_0_25}
+                )
+                return num_pending_gpu_blocks
+            '''
+        )
+        module, found = rewrite(src, "load", [SiteSpec(SITE_SWA_PENDING_BOUND, KIND_WINDOW, (self.FP_0_25,), 0)])
+        assert found == {SITE_SWA_PENDING_BOUND}
+        calls = [n for n in ast.walk(module) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "@kvguard_check"]
+        assert len(calls) == 1 and isinstance(calls[0].args[1], ast.Name)  # the test's value, not False
+
+    def test_normalization_of_the_real_multiline_assert(self):
+        node = ast.parse(
+            "assert (\n    num_pending_gpu_blocks\n    <= group_config.sliding_window_size_in_blocks\n"
+            "    * self.config.block_size_factor\n)"
+        ).body[0]
+        assert normalize_assert(node) == self.FP_0_25
