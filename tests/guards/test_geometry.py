@@ -1,0 +1,79 @@
+"""`kvguard check-geometry` (exit 0 safe, 3 would crash, 2 bad args)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+from click.testing import CliRunner
+
+from guards.geometry import EXIT_BAD_ARGS, EXIT_SAFE, EXIT_WOULD_CRASH, check_geometry, tripping_remainders
+from sidecar.cli import main
+
+SEED = ["--sliding-window", "4096", "--block-size", "32", "--chunk-size", "256"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["check-geometry", *args])
+
+
+@pytest.mark.parametrize("version, code", [("0.21.0", 3), ("0.25.1", 3), ("0.27.0", 3), ("0.27.1", 0), ("0.33.0", 0)])
+def test_seed_geometry_per_release(version, code):
+    result = run(*SEED, "--vllm-version", version)
+    assert result.exit_code == code, result.output
+    assert "exact bound (vLLM #48959): 129 GPU blocks" in result.output
+    if code == EXIT_WOULD_CRASH:
+        assert "asserts pending <= 128 GPU blocks" in result.output
+        assert "num_cached_tokens=98012: 129 pending GPU blocks > 128" in result.output
+        assert "remainder mod 32 is in {1..30}" in result.output
+
+
+def test_installed_vllm_is_judged(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.25.1")
+    result = run(*SEED)
+    assert result.exit_code == EXIT_WOULD_CRASH
+    assert "installed vLLM 0.25.1" in result.output
+
+
+def test_without_vllm_prints_the_table(monkeypatch):
+    def missing(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    result = run(*SEED)
+    assert result.exit_code == EXIT_SAFE
+    assert "installed vLLM: none" in result.output
+    assert "0.21.0 .. 0.27.0      128 GPU blocks  (crashes)" in result.output
+    assert ">= 0.27.1             129 GPU blocks  (safe)" in result.output
+
+
+def test_window_below_a_chunk_boundary_is_safe_everywhere():
+    result = run("--sliding-window", "4000", "--block-size", "32", "--chunk-size", "256", "--vllm-version", "0.25.1")
+    assert result.exit_code == EXIT_SAFE, result.output
+    assert "126 GPU blocks" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--sliding-window", "0", "--block-size", "32", "--chunk-size", "256"],
+        ["--sliding-window", "4096", "--block-size", "32", "--chunk-size", "250"],
+        ["--sliding-window", "4096", "--block-size", "32"],
+        ["--sliding-window", "x", "--block-size", "32", "--chunk-size", "256"],
+        SEED + ["--vllm-version", "banana"],
+    ],
+)
+def test_bad_arguments_exit_2(args):
+    result = run(*args)
+    assert result.exit_code == EXIT_BAD_ARGS
+    assert "Error" in result.output
+
+
+def test_tripping_remainders_match_the_brute_force():
+    first, remainders = tripping_remainders(4096, 32, 0, 128)
+    assert (first, remainders) == (4097, list(range(1, 31)))
+    assert tripping_remainders(4096, 32, 0, 129) == (0, [])
+
+
+def test_command_object_is_exported():
+    assert check_geometry.name == "check-geometry"

