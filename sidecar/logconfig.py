@@ -59,3 +59,5 @@ def configure_logging(level: str = "info", json: bool = True) -> None:
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    # httpx logs every request at INFO: the health poller would flood the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -79,7 +79,7 @@ def vllm_args(model: Path, port: int) -> list[str]:
         *VLLM_SERVER, "--model", str(model), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
-        "--disable-log-stats",
+        "--disable-log-stats", "--disable-uvicorn-access-log",
     ]
 
 
@@ -104,6 +104,7 @@ class Proc:
         self.log_path = log
         self.log = open(log, "wb")
         self.started = time.monotonic()
+        self.known: dict[int, psutil.Process] = {}
         self.proc = subprocess.Popen(
             argv, stdout=self.log, stderr=subprocess.STDOUT, env={**env, "KVGUARD_E2E_TAG": self.tag},
             start_new_session=True,
@@ -117,16 +118,35 @@ class Proc:
         return self.proc.poll() is None
 
     def tagged(self) -> list[psutil.Process]:
-        """Every live process carrying this tag (the tree, orphans included)."""
-        found = []
+        """Every live process of this tree: descendants of the root (walked now and
+        remembered from earlier walks, so orphans reparented after their parent died
+        are still found) plus anything carrying the tag in its environment. The tag
+        alone is not enough: setproctitle (EngineCore, Worker) overwrites the
+        environment block that /proc/PID/environ shows."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            for child in root.children(recursive=True):
+                self.known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
         for p in psutil.process_iter(["pid"]):
-            try:
-                if p.pid != os.getpid() and p.environ().get("KVGUARD_E2E_TAG") == self.tag:
-                    if p.status() != psutil.STATUS_ZOMBIE:
-                        found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if p.pid in self.known or p.pid == os.getpid():
                 continue
-        return found
+            try:
+                if p.environ().get("KVGUARD_E2E_TAG") == self.tag:
+                    self.known[p.pid] = p
+            except psutil.Error:
+                continue
+        alive = []
+        for p in list(self.known.values()):
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    for child in p.children(recursive=True):
+                        self.known.setdefault(child.pid, child)
+                    alive.append(p)
+            except psutil.Error:
+                continue
+        return alive
 
     def find(self, title_prefix: str, timeout: float = 60) -> psutil.Process:
         """The tagged process whose title (setproctitle: cmdline) starts with ``title_prefix``."""
@@ -139,7 +159,7 @@ class Proc:
                     continue
             return None
 
-        return wait_for(look, timeout, f"{self.name}: process {title_prefix}")  # type: ignore[return-value]
+        return wait_for(look, timeout, f"{self.name}: process {title_prefix}", interval=0.2)  # type: ignore[return-value]
 
     def wait(self, timeout: float) -> int:
         try:
@@ -216,8 +236,12 @@ class Server:
 
     def wait_ready(self, timeout: float = 600) -> float:
         """Wait for /health and /v1/models to answer 200; returns seconds since start."""
-        wait_for(lambda: self.status("/health") == 200 and self.status("/v1/models") == 200,
-                 timeout, f"{self.name} ready", interval=0.5, alive=self.proc.alive)
+        def ready() -> bool:
+            self.proc.tagged()  # remember the tree while it grows
+            return self.status("/health") == 200 and self.status("/v1/models") == 200
+
+        wait_for(ready, timeout, f"{self.name} ready", interval=0.5, alive=self.proc.alive)
+        self.proc.tagged()
         self.ready_after = time.monotonic() - self.proc.started
         print(f"[e2e] {self.name}: ready after {self.ready_after:.1f}s")
         return self.ready_after
