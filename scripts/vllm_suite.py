@@ -39,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -316,15 +317,23 @@ def differences(plain: dict[str, Result], guarded: dict[str, Result]) -> list[tu
     return diff
 
 
-def format_table(rows: dict[str, dict[str, int]], seconds: dict[str, float] | None = None) -> str:
-    """Text table: one row per run (``rows[name] = tally(...)``), one column per outcome."""
+def format_table(
+    rows: dict[str, dict[str, int]],
+    seconds: dict[str, float] | None = None,
+    cpu_seconds: dict[str, float] | None = None,
+) -> str:
+    """Text table: one row per run (``rows[name] = tally(...)``), one column per outcome,
+    then wall-clock and CPU seconds of the run when given."""
     cols = (*OUTCOMES, "total")
-    head = f"{'run':<10}" + "".join(f"{c:>9}" for c in cols) + (f"{'seconds':>10}" if seconds else "")
+    head = f"{'run':<10}" + "".join(f"{c:>9}" for c in cols)
+    head += (f"{'wall s':>10}" if seconds else "") + (f"{'cpu s':>10}" if cpu_seconds else "")
     lines = [head, "-" * len(head)]
     for name, counts in rows.items():
         line = f"{name:<10}" + "".join(f"{counts[c]:>9}" for c in cols)
         if seconds:
             line += f"{seconds.get(name, 0.0):>10.1f}"
+        if cpu_seconds:
+            line += f"{cpu_seconds.get(name, 0.0):>10.1f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -402,6 +411,7 @@ class Run:
     kvguard_env: dict[str, str]
     folder: Path
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     returncode: int | None = None
 
     @property
@@ -460,16 +470,24 @@ def execute(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str], 
     env = run_env(dict(os.environ), run, hf_home)
     print(f"[{run.name}] {' '.join(f'{k}={v}' for k, v in sorted(run.kvguard_env.items()))} "
           f"{' '.join(cmd[1:])}", flush=True)
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), _children_cpu()
     with open(run.log, "wb") as log:
         proc = subprocess.run(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout, check=False)
     run.seconds = time.monotonic() - start
+    run.cpu_seconds = _children_cpu() - cpu_start
     run.returncode = proc.returncode
     tail = run.log.read_bytes().decode(errors="replace").strip().splitlines()[-1:]
-    print(f"[{run.name}] exit {proc.returncode} in {run.seconds:.1f} s: {' '.join(tail)}", flush=True)
+    print(f"[{run.name}] exit {proc.returncode} in {run.seconds:.1f} s wall, {run.cpu_seconds:.1f} s CPU: "
+          f"{' '.join(tail)}", flush=True)
     if not run.junit.exists():
         raise SetupError(f"{run.name} run wrote no junit XML; see {run.log}")
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of finished child processes (pytest and its children)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def installed_vllm(python: Path) -> str:
@@ -487,7 +505,8 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
     out = io.StringIO()
     w = lambda s="": print(s, file=out)  # noqa: E731
     w(format_table({"plain": tally(p), "guarded": tally(g)},
-                   {"plain": plain.seconds, "guarded": guarded.seconds}))
+                   {"plain": plain.seconds, "guarded": guarded.seconds},
+                   {"plain": plain.cpu_seconds, "guarded": guarded.cpu_seconds}))
     diff = differences(p, g)
     w()
     w(f"differing test ids: {len(diff)}")
@@ -571,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(plain, guarded, p, g, p_report, g_report))
     summary = {
         "vllm": version,
-        "runs": {r.name: {**tally(res), "seconds": round(r.seconds, 1), "pytest_exit": r.returncode}
+        "runs": {r.name: {**tally(res), "seconds": round(r.seconds, 1),
+                          "cpu_seconds": round(r.cpu_seconds, 1), "pytest_exit": r.returncode}
                  for r, res in ((plain, p), (guarded, g))},
         "differences": [list(d) for d in differences(p, g)],
         "kvguard_guarded": kvguard_activity(g_report),

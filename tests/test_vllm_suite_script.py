@@ -130,11 +130,12 @@ class TestComparison:
         text = vs.format_table(
             {"plain": vs.tally(results(a="passed", b="failed")), "guarded": vs.tally(results(a="passed"))},
             {"plain": 271.04, "guarded": 280.0},
+            {"plain": 250.0, "guarded": 262.55},
         )
         lines = text.splitlines()
-        assert lines[0].split() == ["run", "passed", "failed", "error", "skipped", "total", "seconds"]
-        assert lines[2].split() == ["plain", "1", "1", "0", "0", "2", "271.0"]
-        assert lines[3].split() == ["guarded", "1", "0", "0", "0", "1", "280.0"]
+        assert lines[0].split() == ["run", "passed", "failed", "error", "skipped", "total", "wall", "s", "cpu", "s"]
+        assert lines[2].split() == ["plain", "1", "1", "0", "0", "2", "271.0", "250.0"]
+        assert lines[3].split() == ["guarded", "1", "0", "0", "0", "1", "280.0", "262.6"]
 
 
 # ----------------------------------------------------------------- verdict

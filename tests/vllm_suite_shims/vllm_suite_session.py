@@ -4,13 +4,15 @@ Loaded with ``-p vllm_suite_session`` in *both* runs; the runs differ only in kv
 own environment (``KVGUARD_DISABLE=1`` in the plain run, ``KVGUARD_POLICY=guard`` in the
 guarded one).
 
-1. ``pytest_configure`` calls ``vllm.plugins.load_general_plugins()``, exactly as vLLM's
-   ``EngineCore.__init__`` does (``vllm/v1/engine/core.py``) before it builds the
-   scheduler and its KV connector. vLLM's unit tests build ``Scheduler`` and
-   ``OffloadingConnector`` directly and never reach that call, so without it no
-   ``vllm.general_plugins`` entry point (kvguard's ``guards.plugin:register`` among them)
-   would run in the pytest process. It runs before collection, so before the tests
-   import the offload scheduler, as in a real engine. The same call happens in the plain
+1. ``pytest_load_initial_conftests`` (tryfirst) calls
+   ``vllm.plugins.load_general_plugins()``, exactly as vLLM's ``EngineCore.__init__``
+   does (``vllm/v1/engine/core.py``) before it builds the scheduler and its KV
+   connector. vLLM's unit tests build ``Scheduler`` and ``OffloadingConnector`` directly
+   and never reach that call, so without it no ``vllm.general_plugins`` entry point
+   (kvguard's ``guards.plugin:register`` among them) would run in the pytest process.
+   It runs before vLLM's ``tests/conftest.py`` is imported (that conftest imports
+   ``vllm.LLM``, which pulls in the offload scheduler), so kvguard sees the offload
+   modules imported after it, as in a real engine. The same call happens in the plain
    run, where kvguard's ``register()`` sees ``KVGUARD_DISABLE=1`` and does nothing;
    vLLM's own general plugins (the LoRA resolvers) load identically in both runs.
 2. ``pytest_sessionfinish`` writes a JSON report to ``$KVSUITE_REPORT``:
@@ -40,7 +42,8 @@ _general_plugins: list[str] = []
 _errors: list[str] = []
 
 
-def pytest_configure(config: pytest.Config) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     from importlib.metadata import entry_points
 
     from vllm.plugins import load_general_plugins
