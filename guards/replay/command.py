@@ -1,0 +1,75 @@
+"""``kvguard replay``: replay a trace on the real vLLM offload scheduler (the main job).
+
+Exit status: 0 when the engine survived and every request finished; 1 otherwise
+(the engine died, a request waited forever, or the trace could not be loaded).
+With ``--json`` stdout carries exactly one JSON object (see :mod:`guards.replay.report`);
+vLLM's and kvguard's logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
+
+
+@click.command(name="replay")
+@click.option(
+    "--trace",
+    "trace_ref",
+    default=DEFAULT_TRACE,
+    show_default=True,
+    metavar="NAME|FILE",
+    help=f"built-in trace ({', '.join(sorted(BUILTIN_TRACES))}) or a JSONL trace file",
+)
+@click.option("--no-guard", is_flag=True, help="run vLLM unguarded: its own assertions decide")
+@click.option(
+    "--policy",
+    type=click.Choice(["observe", "guard", "strict"]),
+    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
+    show_default="guard (or KVGUARD_POLICY)",
+    help="guard policy (ignored with --no-guard)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
+def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
+    """Replay a trace on vLLM's real Scheduler + OffloadingConnector (simulated GPU worker)."""
+    # vLLM reads these when it is first imported: keep stdout for the report.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from guards.replay.trace import TraceError, load_trace
+
+    try:
+        trace = load_trace(trace_ref)
+    except TraceError as exc:
+        click.echo(f"kvguard replay: {exc}", err=True)
+        sys.exit(1)
+
+    from guards.replay import harness, report
+
+    progress = None
+    if not as_json:
+        total = len(trace.requests)
+
+        def progress(finished: int, _total: int, steps: int) -> None:
+            click.echo(f"\r  replaying: {finished}/{total} requests, {steps} steps", err=True, nl=False)
+
+    # stdout is redirected while vLLM runs: anything it prints goes to stderr.
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        result = harness.run_replay(trace, guard=not no_guard, policy=policy, progress=progress)
+    finally:
+        sys.stdout = real_stdout
+    if progress is not None:
+        click.echo("", err=True)
+    out = report.to_json(result, trace.geometry)
+    if as_json:
+        real_stdout.write(json.dumps(out) + "\n")
+        real_stdout.flush()
+    else:
+        click.echo(report.to_text(out))
+    sys.exit(0 if result.ok else 1)

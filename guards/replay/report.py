@@ -1,0 +1,145 @@
+"""Turn a :class:`~guards.replay.harness.ReplayResult` into the ``--json`` object or a short text.
+
+The ``--json`` object (one line, one object, nothing else on stdout)::
+
+    {"vllm_version": "0.25.1", "trace": "seed-48959", "guard": true, "policy": "guard",
+     "engine_survived": true, "error": null, "error_site": null, "stalled": false,
+     "requests": {"submitted": 4, "finished": 4},
+     "checks": {"swa_pending_bound": {"evaluated": 2, "tolerated": 1, "violations": 0,
+                                      "max_pending_blocks": 129, "bound": 129}, ...},
+     "steps": 68, "wall_s": 0.61,
+     "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
+                                        "local_hit_tokens": 0, "num_cached_tokens": 98012}},
+     "worker": {"jobs_completed": 16, "stores": 15, "inconsistent_specs": [],
+                "loads": [{"request_id": ..., "job_id": ..., "num_cached_tokens": 98012,
+                           "group_sizes": [3063, 129], "block_indices": [0, 2934],
+                           "swa_window": {"expected_blocks": 129, "spec_blocks": 129,
+                                         "lost": 0, "added": 0}}]},
+     "cpu_chunks": 2048, "pending_store_keys": 0}
+
+``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
+``checks`` is :func:`guards.runtime.snapshot` after the replay (empty without the
+guard). ``swa_window`` compares the sliding-window GPU block ids the worker received in
+the load spec with the blocks of the window in the real KV cache manager: the window
+is GPU blocks ``[(num_cached_tokens - sliding_window + 1) // tokens_per_block,
+cdiv(num_cached_tokens, tokens_per_block))`` (vLLM's skipped-token rule); ``lost`` are
+window blocks missing from the spec, ``added`` spec blocks outside the window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guards.replay.harness import ReplayResult
+from guards.replay.trace import Geometry
+
+SWA_GROUP = 1  # the sliding-window KV cache group (group 0 is full attention)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def swa_window(load: Any, num_cached_tokens: int, geometry: Geometry) -> dict[str, int] | None:
+    """Compare a load's sliding-window block ids with the window in the KV cache manager."""
+    if load.manager_block_ids is None or len(load.group_sizes) <= SWA_GROUP:
+        return None
+    tpb = geometry.tokens_per_block
+    first = max(0, num_cached_tokens - geometry.sliding_window + 1) // tpb
+    end = _cdiv(num_cached_tokens, tpb)
+    window = [b for b in load.manager_block_ids[SWA_GROUP][first:end] if b != 0]
+    spec = load.group_block_ids(SWA_GROUP)
+    return {
+        "expected_blocks": end - first,
+        "spec_blocks": len(spec),
+        "lost": len(set(window) - set(spec)),
+        "added": len(set(spec) - set(window)),
+    }
+
+
+def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
+    """The ``--json`` object for ``result`` (field list in the module docstring)."""
+    worker = result.worker
+    loads = []
+    for load in worker.loads if worker is not None else ():
+        hit = result.hits.get(load.req_id)
+        cached = hit["local_hit_tokens"] + hit["external_hit_tokens"] if hit else None
+        loads.append(
+            {
+                "request_id": load.req_id,
+                "job_id": load.job_id,
+                "num_cached_tokens": cached,
+                "group_sizes": load.group_sizes,
+                "block_indices": load.block_indices,
+                "swa_window": swa_window(load, cached, geometry) if cached else None,
+            }
+        )
+    return {
+        "vllm_version": result.vllm_version,
+        "trace": result.trace,
+        "guard": result.guard,
+        "policy": result.policy,
+        "engine_survived": result.engine_survived,
+        "error": result.error,
+        "error_site": result.error_site,
+        "stalled": result.stalled,
+        "requests": {"submitted": result.submitted, "finished": result.finished},
+        "checks": result.checks,
+        "steps": result.steps,
+        "wall_s": round(result.wall_s, 3),
+        "driven_hits": result.driven_hits,
+        "worker": {
+            "jobs_completed": worker.jobs_completed if worker else 0,
+            "stores": len(worker.stores) if worker else 0,
+            "inconsistent_specs": worker.inconsistent_specs if worker else [],
+            "loads": loads,
+        },
+        "cpu_chunks": result.cpu_chunks,
+        "pending_store_keys": result.pending_store_keys,
+    }
+
+
+def to_text(report: dict[str, Any]) -> str:
+    """A short human report of a ``to_json`` object."""
+    guard = f"guard on (policy {report['policy']})" if report["guard"] else "guard off"
+    lines = [f"kvguard replay: trace {report['trace']} on vLLM {report['vllm_version']}, {guard}"]
+    req = report["requests"]
+    if report["engine_survived"]:
+        state = "stalled (a request waits forever)" if report["stalled"] else "survived"
+        lines.append(f"  engine:   {state}; {req['finished']}/{req['submitted']} requests finished")
+    else:
+        lines.append(f"  engine:   DIED after {report['steps']} steps: {report['error']}")
+        if report["error_site"]:
+            lines.append(f"            at {report['error_site']}")
+        lines.append(f"            {req['finished']}/{req['submitted']} requests had finished")
+    for rid, hit in report["driven_hits"].items():
+        lines.append(
+            f"  step:     {rid}: external hit driven to num_cached_tokens="
+            f"{hit['num_cached_tokens']} (lookup found {hit['lookup_hit_tokens']})"
+        )
+    for load in report["worker"]["loads"]:
+        win = load["swa_window"]
+        extra = ""
+        if win:
+            extra = (
+                f"; window {win['expected_blocks']} blocks, lost {win['lost']}, added {win['added']}"
+            )
+        lines.append(
+            f"  load:     {load['request_id']}: num_cached_tokens={load['num_cached_tokens']}, "
+            f"GPU blocks per group {load['group_sizes']}{extra}"
+        )
+    bad = report["worker"]["inconsistent_specs"]
+    lines.append(f"  worker:   {report['worker']['jobs_completed']} transfer jobs done, "
+                 f"{len(bad)} inconsistent specs received")
+    for name, c in sorted(report["checks"].items()):
+        if not (c["evaluated"] or c["tolerated"] or c["violations"]):
+            continue
+        bound = ""
+        if c.get("max_pending_blocks") is not None:
+            bound = f", max pending {c['max_pending_blocks']} / bound {c['bound']} GPU blocks"
+        lines.append(
+            f"  check:    {name}: {c['evaluated']} evaluated, {c['tolerated']} tolerated, "
+            f"{c['violations']} violations{bound}"
+        )
+    lines.append(f"  time:     {report['wall_s']} s replay, {report['steps']} scheduler steps")
+    return "\n".join(lines)

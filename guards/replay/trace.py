@@ -1,0 +1,277 @@
+"""Replay traces: the JSONL format ``kvguard replay`` reads, and its built-in traces.
+
+A trace is a UTF-8 JSON Lines file. Blank lines are ignored. The first object is the
+header; every later object is one request.
+
+Header (exactly one, first line)::
+
+    {"kind": "header", "format": "kvguard-replay/1", "name": "seed-48959",
+     "description": "...",
+     "geometry": {"tokens_per_block": 32, "tokens_per_chunk": 256,
+                  "sliding_window": 4096, "num_gpu_blocks": 8192,
+                  "cpu_chunks": 4096, "max_num_batched_tokens": 16384,
+                  "max_num_seqs": 8, "max_model_len": 131072, "vocab_size": 32000}}
+
+``geometry`` units: ``tokens_per_block`` tokens per GPU block (vLLM's
+``cache_config.block_size``, the same for both KV cache groups), ``tokens_per_chunk``
+tokens per offloaded block (``kv_connector_extra_config.block_size``; vLLM calls the
+ratio ``block_size_factor`` before #48150 and ``blocks_per_chunk`` after),
+``sliding_window`` tokens (``SlidingWindowSpec.sliding_window`` of the second KV cache
+group; the first group is full attention), ``num_gpu_blocks`` GPU blocks shared by both
+groups, ``cpu_chunks`` offloaded blocks the CPU tier holds (it sets
+``cpu_bytes_to_use``), ``max_num_batched_tokens`` / ``max_num_seqs`` /
+``max_model_len`` as in vLLM's ``SchedulerConfig``, ``vocab_size`` for token ids.
+
+Request (one per line, in arrival order)::
+
+    {"kind": "request", "id": "agent-a/turn-1",
+     "after": "agent-a/turn-0",
+     "prompt": [{"seed": 7, "tokens": 98304}, {"output_of": "agent-a/turn-0"},
+                {"seed": 8, "tokens": 200}],
+     "max_tokens": 8,
+     "external_hit_tokens": 98012}
+
+- ``id``: unique request id (vLLM ``request_id``).
+- ``after`` (optional): the request arrives once that earlier request has finished
+  (serialized agent turns). Without it the request arrives at step ``arrival_step``
+  (optional, default 0), i.e. before the ``arrival_step``-th ``schedule()`` call.
+- ``prompt``: a list of segments, concatenated. ``{"seed": S, "tokens": N}`` is N token
+  ids drawn from ``random.Random(S)`` (the same seed gives the same tokens, which is how
+  two requests share a prefix). ``{"output_of": ID}`` is the tokens the simulated worker
+  sampled for request ID (an earlier request; this request arrives only once ID has
+  finished, whatever ``after`` says).
+- ``max_tokens``: output tokens to generate (``SamplingParams.max_tokens``).
+- ``external_hit_tokens`` (optional): drive this request's external-hit step directly.
+  The real lookup runs first; its hit (tokens beyond the local GPU hit) is then capped so
+  that ``num_cached_tokens`` equals this value. This is the documented fallback of issue 2
+  for a geometry a vLLM release cannot reach through ``schedule()`` alone (see
+  ``docs/replay.md``); everything after it (allocation in the real KV cache manager,
+  ``update_state_after_alloc``, the load job, the worker) is vLLM's own path.
+
+Prompt tokens are generated at replay time and are never written to a report or log.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+FORMAT = "kvguard-replay/1"
+#: Built-in trace names -> file names under guards/replay/traces/.
+BUILTIN_TRACES: dict[str, str] = {
+    "seed-48959": "seed-48959.jsonl",
+    "seed-42945": "seed-42945.jsonl",
+}
+DEFAULT_TRACE = "seed-48959"
+
+
+class TraceError(ValueError):
+    """A trace file that does not follow the format above (message names the line)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """KV cache and scheduler geometry of one replay (units in the module docstring)."""
+
+    tokens_per_block: int = 32
+    tokens_per_chunk: int = 256
+    sliding_window: int = 4096
+    num_gpu_blocks: int = 8192
+    cpu_chunks: int = 4096
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 8
+    max_model_len: int = 131072
+    vocab_size: int = 32000
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """GPU blocks per offloaded block (``block_size_factor`` / ``blocks_per_chunk``)."""
+        return self.tokens_per_chunk // self.tokens_per_block
+
+    def validate(self) -> None:
+        """Raise :class:`TraceError` for a geometry vLLM would reject."""
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or value <= 0:
+                raise TraceError(f"geometry.{name} must be a positive int, got {value!r}")
+        if self.tokens_per_chunk % self.tokens_per_block:
+            raise TraceError("geometry.tokens_per_chunk must be a multiple of tokens_per_block")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One prompt segment: ``seed``/``tokens`` or ``output_of``."""
+
+    seed: int | None = None
+    tokens: int = 0
+    output_of: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.output_of is not None:
+            return {"output_of": self.output_of}
+        return {"seed": self.seed, "tokens": self.tokens}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace (fields as in the module docstring)."""
+
+    id: str
+    prompt: tuple[Segment, ...]
+    max_tokens: int
+    after: str | None = None
+    arrival_step: int = 0
+    external_hit_tokens: int | None = None
+
+    @property
+    def waits_for(self) -> tuple[str, ...]:
+        """Request ids that must have finished before this one arrives."""
+        ids = [s.output_of for s in self.prompt if s.output_of is not None]
+        if self.after is not None:
+            ids.append(self.after)
+        return tuple(dict.fromkeys(ids))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": "request", "id": self.id}
+        if self.after is not None:
+            out["after"] = self.after
+        elif self.arrival_step:
+            out["arrival_step"] = self.arrival_step
+        out["prompt"] = [s.to_json() for s in self.prompt]
+        out["max_tokens"] = self.max_tokens
+        if self.external_hit_tokens is not None:
+            out["external_hit_tokens"] = self.external_hit_tokens
+        return out
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A parsed trace: a header (name, description, geometry) and its requests."""
+
+    name: str
+    geometry: Geometry
+    requests: tuple[TraceRequest, ...]
+    description: str = ""
+    source: str = field(default="", compare=False)
+
+    def dumps(self) -> str:
+        """Serialize back to JSONL (one header line, one line per request)."""
+        header = {
+            "kind": "header",
+            "format": FORMAT,
+            "name": self.name,
+            "description": self.description,
+            "geometry": vars(self.geometry),
+        }
+        lines = [json.dumps(header)] + [json.dumps(r.to_json()) for r in self.requests]
+        return "\n".join(lines) + "\n"
+
+
+def segment_tokens(seed: int, num_tokens: int, vocab_size: int) -> list[int]:
+    """``num_tokens`` token ids in ``[1, vocab_size)`` drawn from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab_size) for _ in range(num_tokens)]
+
+
+def _parse_segment(obj: Any, where: str) -> Segment:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: a prompt segment must be an object")
+    if "output_of" in obj:
+        if not isinstance(obj["output_of"], str):
+            raise TraceError(f"{where}: output_of must be a request id")
+        return Segment(output_of=obj["output_of"])
+    seed, tokens = obj.get("seed"), obj.get("tokens")
+    if not isinstance(seed, int) or not isinstance(tokens, int) or tokens <= 0:
+        raise TraceError(f"{where}: a segment needs int seed and positive int tokens")
+    return Segment(seed=seed, tokens=tokens)
+
+
+def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
+    """Parse JSONL text into a :class:`Trace`. Raises :class:`TraceError`."""
+    header: dict[str, Any] | None = None
+    requests: list[TraceRequest] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+        kind = obj.get("kind") if isinstance(obj, dict) else None
+        if header is None:
+            if kind != "header" or obj.get("format") != FORMAT:
+                raise TraceError(f"{where}: first line must be a {FORMAT!r} header")
+            header = obj
+            continue
+        if kind != "request":
+            raise TraceError(f"{where}: expected kind 'request', got {kind!r}")
+        rid = obj.get("id")
+        if not isinstance(rid, str) or not rid or rid in seen:
+            raise TraceError(f"{where}: id must be a unique non-empty string")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            raise TraceError(f"{where}: prompt must be a non-empty list of segments")
+        segments = tuple(_parse_segment(s, where) for s in prompt)
+        for seg in segments:
+            if seg.output_of is not None and seg.output_of not in seen:
+                raise TraceError(f"{where}: output_of {seg.output_of!r} is not an earlier request")
+        after = obj.get("after")
+        if after is not None and after not in seen:
+            raise TraceError(f"{where}: after {after!r} is not an earlier request")
+        max_tokens = obj.get("max_tokens")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise TraceError(f"{where}: max_tokens must be a positive int")
+        hit = obj.get("external_hit_tokens")
+        if hit is not None and (not isinstance(hit, int) or hit <= 0):
+            raise TraceError(f"{where}: external_hit_tokens must be a positive int")
+        step = obj.get("arrival_step", 0)
+        if not isinstance(step, int) or step < 0:
+            raise TraceError(f"{where}: arrival_step must be a non-negative int")
+        seen.add(rid)
+        requests.append(
+            TraceRequest(
+                id=rid,
+                prompt=segments,
+                max_tokens=max_tokens,
+                after=after,
+                arrival_step=step,
+                external_hit_tokens=hit,
+            )
+        )
+    if header is None:
+        raise TraceError(f"{source}: empty trace")
+    geo = header.get("geometry") or {}
+    try:
+        geometry = Geometry(**geo)
+    except TypeError as exc:
+        raise TraceError(f"{source}: bad geometry ({exc})") from None
+    geometry.validate()
+    if not requests:
+        raise TraceError(f"{source}: a trace needs at least one request")
+    return Trace(
+        name=str(header.get("name") or Path(source).stem),
+        geometry=geometry,
+        requests=tuple(requests),
+        description=str(header.get("description", "")),
+        source=source,
+    )
+
+
+def load_trace(name_or_path: str) -> Trace:
+    """Load a built-in trace by name (``seed-48959``, ``seed-42945``) or a JSONL file path.
+
+    Raises :class:`TraceError` for an unknown name, a missing file or a malformed trace.
+    """
+    if name_or_path in BUILTIN_TRACES:
+        ref = resources.files("guards.replay").joinpath("traces", BUILTIN_TRACES[name_or_path])
+        return parse_trace(ref.read_text(encoding="utf-8").splitlines(), source=name_or_path)
+    path = Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(BUILTIN_TRACES))
+        raise TraceError(f"no trace {name_or_path!r}: not a file and not one of {known}")
+    return parse_trace(path.read_text(encoding="utf-8").splitlines(), source=str(path))
