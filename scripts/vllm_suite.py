@@ -567,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_suite_hf_cache import write_hf_cache_entry
 
         hf_home = work / "hf_home"
+        shutil.rmtree(hf_home, ignore_errors=True)  # only what this run writes
         write_hf_cache_entry(hf_home)
         print(f"vLLM {version} ({python}); sdist {sdist}; {len(extracted)} files -> {src}", flush=True)
         plain = Run("plain", {"KVGUARD_DISABLE": "1"}, work / "runs" / "plain")

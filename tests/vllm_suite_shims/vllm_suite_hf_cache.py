@@ -10,7 +10,7 @@ This module writes what the hub would have put in ``$HF_HOME/hub`` for that mode
 huggingface_hub's own cache layout, so the tests run with ``HF_HUB_OFFLINE=1``::
 
     $HF_HOME/hub/models--facebook--opt-125m/
-        refs/main                          -> "<revision>" (40 hex digits, no newline)
+        refs/main                          "<revision>" (40 hex digits, no newline)
         blobs/<sha256 of the file>         the file's bytes
         snapshots/<revision>/config.json   relative symlink to ../../blobs/<sha256>
 
@@ -60,19 +60,11 @@ OPT_125M_CONFIG: dict[str, object] = {
     "word_embed_proj_dim": 768,
 }
 
-# facebook/opt-125m generation_config.json (the token ids of config.json, nothing else).
-OPT_125M_GENERATION_CONFIG: dict[str, object] = {
-    "_from_model_config": True,
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-    "pad_token_id": 1,
-    "transformers_version": "4.27.0.dev0",
-}
-
-OPT_125M_FILES: dict[str, dict[str, object]] = {
-    "config.json": OPT_125M_CONFIG,
-    "generation_config.json": OPT_125M_GENERATION_CONFIG,
-}
+# Only config.json: measured on vLLM 0.33.0, ModelConfig needs nothing else for these tests.
+# Without generation_config.json, vLLM/transformers derive the generation defaults from
+# config.json (the same bos/eos/pad token ids the hub's file holds), and no tokenizer
+# file is read because the scheduler-side tests never build a tokenizer.
+OPT_125M_FILES: dict[str, dict[str, object]] = {"config.json": OPT_125M_CONFIG}
 
 
 def repo_folder_name(model_id: str) -> str:
@@ -104,8 +96,7 @@ def write_hf_cache_entry(
     """Write one model's cache entry under ``hf_home/hub``; return its snapshot folder.
 
     Idempotent: rewriting the same files leaves the same tree. ``files`` maps a file name
-    in the repo to its JSON content (default: OPT-125m's ``config.json`` and
-    ``generation_config.json``). Raises ``OSError`` if ``hf_home`` cannot be written.
+    in the repo to its JSON content (default: OPT-125m's ``config.json``). Raises ``OSError`` if ``hf_home`` cannot be written.
     """
     contents = {name: file_bytes(value) for name, value in (files or OPT_125M_FILES).items()}
     revision = local_revision(contents)
