@@ -1,0 +1,90 @@
+"""The site table against the installed vLLM's own source (run in each .venvs/vllm-* env)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from guards.instrumentor import installed_vllm_version
+from guards.rewrite import KIND_STORE_CALL, find_function, iter_asserts, normalize_statement
+from guards.sites import KIND_WRAP_INIT, KIND_WRAP_STEP, SITES, TARGET_MODULES, site_in_range
+
+pytestmark = pytest.mark.vllm
+
+#: In-range sites per release (read from the three installed wheels; see guards/sites.py).
+EXPECTED_IN_RANGE = {"0.21.0": 34, "0.25.1": 41, "0.33.0": 46}
+
+
+def source(module: str) -> ast.Module:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    return ast.parse(Path(spec.origin).read_text())
+
+
+@pytest.fixture(scope="module")
+def version() -> str:
+    v = installed_vllm_version()
+    assert v is not None
+    return v
+
+
+@pytest.fixture(scope="module")
+def trees() -> dict[str, ast.Module]:
+    return {m: source(m) for m in TARGET_MODULES}
+
+
+def found_in(tree: ast.Module, site) -> bool:
+    for qualname, fingerprint in site.targets:
+        located = find_function(tree, qualname)
+        if located is None:
+            continue
+        if site.kind in (KIND_WRAP_INIT, KIND_WRAP_STEP):
+            return True
+        if site.kind == KIND_STORE_CALL:
+            if any(
+                isinstance(n, ast.Assign) and normalize_statement(n) == fingerprint for n in ast.walk(located[0])
+            ):
+                return True
+        elif any(q == qualname and fp == fingerprint for q, fp, _ in iter_asserts(tree)):
+            return True
+    return False
+
+
+def test_every_in_range_site_is_in_the_source(version, trees):
+    in_range = [s for s in SITES if site_in_range(s, version)]
+    assert len(in_range) == EXPECTED_IN_RANGE[version]
+    missing = [s.site_id for s in in_range if not found_in(trees[s.module], s)]
+    assert missing == []
+
+
+def test_out_of_range_sites_are_really_absent(version, trees):
+    # a site marked out of range whose code is present would be a table error
+    present = [
+        s.site_id for s in SITES
+        if not site_in_range(s, version) and s.kind not in (KIND_WRAP_INIT, KIND_WRAP_STEP)
+        and found_in(trees[s.module], s)
+    ]
+    assert present == []
+
+
+def test_every_assert_on_the_offload_path_is_a_site(version, trees):
+    covered = {
+        (s.module, q, fp) for s in SITES if site_in_range(s, version) for q, fp in s.targets
+    }
+    uncovered = [
+        (m, q, fp) for m, tree in trees.items() for q, fp, _ in iter_asserts(tree) if (m, q, fp) not in covered
+    ]
+    assert uncovered == []
+
+
+def test_window_and_group_sizes_sites_are_listed_for_every_release(version):
+    ids = {s.site_id for s in SITES if site_in_range(s, version)}
+    assert {
+        "scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound",
+        "kv_offload.base:GPULoadStoreSpec.__init__:group_sizes_sum",
+        "kv_offload.base:GPULoadStoreSpec.__init__:block_indices_len",
+        "scheduler:OffloadingConnectorScheduler._build_store_jobs:store_drop",
+    } <= ids
