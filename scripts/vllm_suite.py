@@ -507,7 +507,7 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
     w(format_table({"plain": tally(p), "guarded": tally(g)},
                    {"plain": plain.seconds, "guarded": guarded.seconds},
                    {"plain": plain.cpu_seconds, "guarded": guarded.cpu_seconds}))
-    diff = differences(p, g)
+    diff = differences(p, g) if plain.returncode is not None and guarded.returncode is not None else []
     w()
     w(f"differing test ids: {len(diff)}")
     for test_id, a, b in diff:
