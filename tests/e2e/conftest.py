@@ -7,6 +7,7 @@ runs (at most three at a time, to bound memory). Every server is stopped in a fi
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class Fleet:
                 self.servers[name] = Server(name, self.models[model], self.root / name, supervised, sidecar)
 
     def get(self, name: str, prefetch: tuple[str, ...] = ()) -> Server:
+        # KVGUARD_E2E_PREFETCH=0 (when running one test with -k) starts only what it needs.
+        if os.environ.get("KVGUARD_E2E_PREFETCH", "1") == "0":
+            prefetch = ()
         self.start(name, *prefetch)
         return self.servers[name]
 
