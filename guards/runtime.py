@@ -296,12 +296,12 @@ def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int, int, 
             spec = specs.get(group_config.group_idx)
     if spec is None:
         return None
-    kind_name = type(spec).__name__
-    if kind_name == "SlidingWindowSpec" or hasattr(spec, "sliding_window") and "Sliding" in kind_name:
+    lineage = {cls.__name__ for cls in type(spec).__mro__}
+    if "SlidingWindowSpec" in lineage:
         sw = int(spec.sliding_window)
         extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
         return ("swa", sw, int(tpb), int(bpc), extra, int(window_chunks or 0))
-    if "Mamba" in kind_name:
+    if "MambaSpec" in lineage:
         return ("mamba", 0, int(tpb), int(bpc), 0, int(window_chunks or 1))
     return ("other", 0, int(tpb), int(bpc), 0, int(window_chunks or 0))
 
@@ -330,6 +330,10 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
         _count_eval(check_name)
         if ok:
             return None
+        if geometry is None:
+            # e.g. a scheduler constructed before install (no recorded KV cache spec):
+            # the guard is blind here, say so
+            guard_error(names.STAGE_CONTEXT, LookupError("no KV cache spec for this group"))
         _count_violation(site, check_name, names.ACTION_RAISED)
         _flush_soon()
         _events.check_failed(

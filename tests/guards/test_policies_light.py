@@ -209,3 +209,12 @@ def test_suppressed_behaves_like_plain_asserts(fake, registry):
         sched.update_state_after_alloc(Request(), 98012, 2934)
     assert runtime.snapshot()["swa_pending_bound"]["evaluated"] == 0
     assert sample(registry, "kvguard_check_tolerated_total", check="swa_pending_bound") == 0
+
+
+def test_scheduler_built_before_install_is_reported_blind(fake, registry):
+    sched = swa_scheduler()  # constructed before install: no KV cache spec recorded
+    install("guard", fake)
+    with pytest.raises(AssertionError):
+        sched.update_state_after_alloc(Request(), 98012, 2934)  # vLLM's own decision
+    assert sample(registry, "kvguard_guard_errors_total", stage="context") == 1
+    assert sample(registry, "kvguard_invariant_violations_total", check="scheduler_assert", action="raised") == 1

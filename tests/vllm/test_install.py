@@ -171,12 +171,17 @@ import vllm.v1.kv_offload.cpu.manager, vllm.v1.kv_offload.cpu.spec
 from guards.instrumentor import OffloadGuardInstrumentor
 st = OffloadGuardInstrumentor().site_status()
 print(json.dumps({{"installed": sum(v == "installed" for v in st.values()),
-                  "loader": type(s.__spec__.loader).__name__}}))
+                  "loader": type(s.__spec__.loader).__name__,
+                  "finder_left": any(type(f).__name__ == "GuardFinder" for f in sys.meta_path)}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"installed": EXPECTED_INSTALLED[installed_vllm_version()], "loader": "_PostImportLoader"}
+    assert result == {
+        "installed": EXPECTED_INSTALLED[installed_vllm_version()],
+        "loader": "_PostImportLoader",
+        "finder_left": False,  # all targets imported: the finder removed itself
+    }
     from prometheus_client import CollectorRegistry as R
     from prometheus_client.multiprocess import MultiProcessCollector
 
