@@ -29,9 +29,3 @@ def registry() -> CollectorRegistry:
 @pytest.fixture
 def metrics(registry: CollectorRegistry) -> GuardMetrics:
     return GuardMetrics(registry=registry)
-
-
-def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    """A sample's value, 0.0 when absent."""
-    value = registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value

@@ -21,7 +21,7 @@ from guards.sites import (
 )
 
 import fakevllm
-from conftest import sample
+from guardtools import sample
 
 FAKE_SITES = {
     SITE_SWA_PENDING_BOUND,

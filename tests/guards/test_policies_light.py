@@ -13,7 +13,7 @@ from guards.settings import GuardSettings
 from guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
 
 import fakevllm
-from conftest import sample
+from guardtools import sample
 
 POLICIES = ["observe", "guard", "strict"]
 
