@@ -39,6 +39,15 @@ def registry():
 
 
 @pytest.fixture
+def bare():
+    """vLLM without kvguard (another test may have left the plugin installed)."""
+    inst = OffloadGuardInstrumentor()
+    if inst.is_installed:
+        inst.uninstall()
+    yield
+
+
+@pytest.fixture
 def install(registry):
     inst = OffloadGuardInstrumentor()
     if inst.is_installed:
@@ -88,8 +97,7 @@ class TestIssue48959:
             assert (event["pending_blocks"], event["exact_bound"], event["vllm_bound"]) == (129, 129, 128)
             assert event["num_cached_tokens"] == 98012 and event["request_id"] == "req-98012"
 
-    def test_without_kvguard_vllm_decides(self):
-        assert not OffloadGuardInstrumentor().is_installed
+    def test_without_kvguard_vllm_decides(self, bare):
         version = installed_vllm_version()
         assert run_load(num_null_blocks=3063 - 129) == SEED_OUTCOME[version]["observe"]
 
@@ -100,7 +108,7 @@ class TestIssue48959:
         assert violations(registry, "swa_pending_bound", "raised") == 1
         assert runtime.last_failed_site() == SITE_SWA_PENDING_BOUND
 
-    def test_planted_violation_without_kvguard_is_vllms_crash(self):
+    def test_planted_violation_without_kvguard_is_vllms_crash(self, bare):
         assert run_load(num_null_blocks=3063 - 130) == "raised"
 
     def test_error_inside_guard_code_is_counted_and_the_step_completes(self, install, registry, monkeypatch):
