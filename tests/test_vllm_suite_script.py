@@ -218,8 +218,10 @@ class TestRunEnvironment:
         c1 = vs.pytest_command(Path("py"), plain, ["-x"])
         c2 = vs.pytest_command(Path("py"), guarded, ["-x"])
         assert [a for a in c1 if not a.startswith("--junitxml")] == [a for a in c2 if not a.startswith("--junitxml")]
-        assert c1[3] == vs.SUITE and ["-p", "vllm_suite_hybrid_kv"] == c1[c1.index("vllm_suite_hybrid_kv") - 1:][:2]
-        assert c1[-1] == "-x"
+        assert c1[:4] == ["py", "-m", "pytest", vs.SUITE]
+        for plugin in ("vllm_suite_hybrid_kv", "vllm_suite_session", "no:cacheprovider"):
+            assert c1[c1.index(plugin) - 1] == "-p"
+        assert c1[-1] == "-x" and f"--junitxml={plain.junit}" in c1
 
 
 # ----------------------------------------------------------------- sdist cache
