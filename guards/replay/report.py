@@ -11,6 +11,8 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
      "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
                                         "local_hit_tokens": 0, "num_cached_tokens": 98012}},
      "worker": {"jobs_completed": 16, "stores": 15, "inconsistent_specs": [],
+                "store_specs": [{"request_id": ..., "job_id": ..., "group_sizes": [...],
+                                 "block_indices": [...]}, ...],
                 "loads": [{"request_id": ..., "job_id": ..., "num_cached_tokens": 98012,
                            "group_sizes": [3063, 129], "block_indices": [0, 2934],
                            "swa_window": {"expected_blocks": 129, "spec_blocks": 129,
@@ -93,6 +95,15 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
             "stores": len(worker.stores) if worker else 0,
             "inconsistent_specs": worker.inconsistent_specs if worker else [],
             "loads": loads,
+            "store_specs": [
+                {
+                    "request_id": st.req_id,
+                    "job_id": st.job_id,
+                    "group_sizes": st.group_sizes,
+                    "block_indices": st.block_indices,
+                }
+                for st in (worker.stores if worker is not None else ())
+            ],
         },
         "cpu_chunks": result.cpu_chunks,
         "pending_store_keys": result.pending_store_keys,

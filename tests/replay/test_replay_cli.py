@@ -1,0 +1,209 @@
+"""`kvguard replay` against the installed vLLM: the proofs of issue 2, item 6.
+
+Each case runs the real console script as a subprocess (``kvguard replay --json``) in
+the vLLM environment under test, once per (trace, guard on/off), and the outcome each
+vLLM release must give is a row of :data:`EXPECTED` keyed by version. An installed
+vLLM that is not in the table fails the test; nothing is skipped.
+
+Why the rows differ (see docs/replay.md):
+
+- 0.33.0 asserts ``window_chunks * blocks_per_chunk + 1`` (PR #49052): the 129-block
+  load of seed-48959 passes unguarded, and the guard's exact bound equals vLLM's.
+- 0.25.1 and 0.21.0 assert 128 (#48959): unguarded they die in
+  ``update_state_after_alloc``; the guard tolerates the legal 129-block load.
+- 0.21.0 over-counts ``group_sizes`` for a store that straddles the window edge
+  (#42945, fixed by 0.23): unguarded ``GPULoadStoreSpec`` asserts; the guard drops that
+  store and releases its keys, so the later turn that needs them does not wait forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's own skipped-block rule for the seed geometry: window 4096, GPU block 32,
+# num_cached_tokens 98012 -> blocks [2934, 3063) of the sliding-window group.
+SEED_CACHED_TOKENS = 98012
+SEED_WINDOW_FIRST_BLOCK = (SEED_CACHED_TOKENS - 4096 + 1) // 32
+SEED_PENDING_BLOCKS = -(-SEED_CACHED_TOKENS // 32) - SEED_WINDOW_FIRST_BLOCK
+assert (SEED_WINDOW_FIRST_BLOCK, SEED_PENDING_BLOCKS) == (2934, 129)
+
+SWA_ASSERT_025 = "num_pending_gpu_blocks <= group_config.sliding_window_size_in_blocks"
+GROUP_SIZES_ASSERT = "assert sum(group_sizes) == len(block_ids)"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one replay must give: exit status and, when it dies, a text of its error."""
+
+    exit_code: int
+    error_contains: str | None = None
+    swa_tolerated: int | None = None  # swa_pending_bound.tolerated with the guard
+    group_sizes_violations: int | None = None  # group_sizes_consistency.violations
+
+
+GUARD, NO_GUARD = "guard", "no-guard"
+
+EXPECTED: dict[str, dict[tuple[str, str], Expect]] = {
+    "0.33.0": {
+        ("seed-48959", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-48959", NO_GUARD): Expect(0),
+        ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-42945", NO_GUARD): Expect(0),
+    },
+    "0.25.1": {
+        ("seed-48959", GUARD): Expect(0, swa_tolerated=1, group_sizes_violations=0),
+        ("seed-48959", NO_GUARD): Expect(1, error_contains=SWA_ASSERT_025),
+        ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-42945", NO_GUARD): Expect(0),
+    },
+    "0.21.0": {
+        ("seed-48959", GUARD): Expect(0, swa_tolerated=1, group_sizes_violations=0),
+        ("seed-48959", NO_GUARD): Expect(1, error_contains=SWA_ASSERT_025),
+        ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=1),
+        ("seed-42945", NO_GUARD): Expect(1, error_contains=GROUP_SIZES_ASSERT),
+    },
+}
+CASES = [(t, m) for t in ("seed-48959", "seed-42945") for m in (GUARD, NO_GUARD)]
+
+
+def _vllm_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("vllm")
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[tuple[str, str], Expect]:
+    version = _vllm_version()
+    if version not in EXPECTED:
+        pytest.fail(f"no expected replay outcomes for vLLM {version}: add a row to EXPECTED")
+    return EXPECTED[version]
+
+
+_RUNS: dict[tuple[str, str], tuple[int, dict[str, Any], str]] = {}
+
+
+def replay(trace: str, mode: str) -> tuple[int, dict[str, Any], str]:
+    """Run ``kvguard replay --json`` once per (trace, mode); (exit code, object, stderr)."""
+    key = (trace, mode)
+    if key not in _RUNS:
+        script = Path(sys.executable).with_name("kvguard")
+        args = [str(script), "replay", "--json", "--trace", trace]
+        if mode == NO_GUARD:
+            args.append("--no-guard")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+        try:
+            obj = json.loads(proc.stdout)  # the whole stdout is exactly one JSON object
+        except json.JSONDecodeError:
+            pytest.fail(f"stdout is not one JSON object: {proc.stdout[-2000:]!r}\n{proc.stderr[-4000:]}")
+        _RUNS[key] = (proc.returncode, obj, proc.stderr)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize(("trace", "mode"), CASES, ids=[f"{t}-{m}" for t, m in CASES])
+def test_exit_status_and_error(trace: str, mode: str, expected: dict) -> None:
+    want: Expect = expected[(trace, mode)]
+    code, out, stderr = replay(trace, mode)
+    assert out["vllm_version"] == _vllm_version()
+    assert out["guard"] is (mode == GUARD)
+    assert out["policy"] == ("guard" if mode == GUARD else None)
+    assert code == want.exit_code, stderr[-3000:]
+    assert out["engine_survived"] is (want.error_contains is None)
+    if want.error_contains is None:
+        assert out["error"] is None
+        assert out["requests"]["finished"] == out["requests"]["submitted"]
+    else:
+        assert out["error"].startswith("AssertionError: ")
+        assert want.error_contains in out["error"]
+        assert out["requests"]["finished"] < out["requests"]["submitted"]
+    # Whatever happens, no inconsistent transfer spec ever reaches the worker.
+    assert out["worker"]["inconsistent_specs"] == []
+    if mode == NO_GUARD:
+        assert out["checks"] == {}
+
+
+@pytest.mark.parametrize("mode", [GUARD, NO_GUARD])
+def test_seed_48959_load_is_exactly_the_window(mode: str, expected: dict) -> None:
+    """The 129-block load carries exactly the window's GPU blocks: none lost, none added."""
+    _code, out, _ = replay("seed-48959", mode)
+    assert out["driven_hits"]["agent-a/turn-2"]["num_cached_tokens"] == SEED_CACHED_TOKENS
+    loads = out["worker"]["loads"]
+    if expected[("seed-48959", mode)].exit_code:
+        assert loads == []  # vLLM died building it: no load reached the worker
+        return
+    (load,) = loads
+    assert load["request_id"] == "agent-a/turn-2"
+    assert load["num_cached_tokens"] == SEED_CACHED_TOKENS
+    assert load["group_sizes"] == [-(-SEED_CACHED_TOKENS // 32), SEED_PENDING_BLOCKS]
+    assert load["block_indices"] == [0, SEED_WINDOW_FIRST_BLOCK]
+    assert load["swa_window"] == {
+        "expected_blocks": SEED_PENDING_BLOCKS,
+        "spec_blocks": SEED_PENDING_BLOCKS,
+        "lost": 0,
+        "added": 0,
+    }
+
+
+@pytest.mark.parametrize("trace", ["seed-48959", "seed-42945"])
+def test_guard_counts(trace: str, expected: dict) -> None:
+    want: Expect = expected[(trace, GUARD)]
+    _code, out, _ = replay(trace, GUARD)
+    swa = out["checks"]["swa_pending_bound"]
+    assert swa["tolerated"] == want.swa_tolerated
+    assert swa["violations"] == 0
+    sizes = out["checks"]["group_sizes_consistency"]
+    assert sizes["violations"] == want.group_sizes_violations
+    assert sizes["evaluated"] > 0
+    if trace == "seed-48959":
+        # One load of the sliding-window group, measured against the exact bound.
+        assert swa["evaluated"] == 1
+        assert swa["max_pending_blocks"] == SEED_PENDING_BLOCKS
+        assert swa["bound"] == SEED_PENDING_BLOCKS
+
+
+def test_seed_42945_store_keys_never_left_pending(expected: dict) -> None:
+    """The straddling store's keys end completed or released; later turns are served."""
+    for mode in (GUARD, NO_GUARD):
+        code, out, _ = replay("seed-42945", mode)
+        if code == 0:
+            assert out["pending_store_keys"] == 0
+            assert out["requests"] == {"submitted": 7, "finished": 7}
+            assert out["stalled"] is False
+        else:
+            # vLLM 0.21.0 unguarded: prepare_store already reserved the store's 50 keys
+            # (32 full-attention + 18 sliding-window chunks) when the spec asserted.
+            assert out["pending_store_keys"] == 50
+
+
+#: agent-a/turn-1's store spec as the worker receives it (guard on), per vLLM release.
+#: 0.25.1 (fixed #42945) counts only the 8 appended blocks of sliding-window chunk 14:
+#: 280 = 8 + 17 * 16 blocks starting at GPU block 232 = 14 * 16 + 8. 0.33.0 stores only
+#: the sliding-window chunks a later hit can reach (chunks 23..31 here), so the
+#: straddling chunk is never stored. 0.21.0 over-counts (288) and the guard drops it.
+STRADDLE_STORE: dict[str, list[dict[str, list[int]]]] = {
+    "0.33.0": [{"group_sizes": [144, 128], "block_indices": [368, 384]}],
+    "0.25.1": [{"group_sizes": [512, 280], "block_indices": [0, 232]}],
+    "0.21.0": [],
+}
+
+
+def test_seed_42945_straddling_store_as_the_worker_gets_it(expected: dict) -> None:
+    """No spec that violates ``sum(group_sizes) == len(block_ids)`` reaches the worker."""
+    _code, out, _ = replay("seed-42945", GUARD)
+    stores = [
+        {"group_sizes": s["group_sizes"], "block_indices": s["block_indices"]}
+        for s in out["worker"]["store_specs"]
+        if s["request_id"] == "agent-a/turn-1"
+    ]
+    assert stores == STRADDLE_STORE[_vllm_version()]
