@@ -10,8 +10,8 @@ and its kind. Names and line numbers move between releases (e.g. #48150 renamed
 accepts. A site in range whose code is not found is reported (one ``site_missing``
 event, ``kvguard_site_installed{site} 0``), never raised.
 
-The generic rows (one per assert of the scheduler module and the kv_offload base/spec/
-manager modules) were produced by reading the installed sources of vLLM 0.21.0, 0.25.1
+The generic rows (one per assert of the scheduler module and its 0.33 config module,
+and of the kv_offload base, CPU spec/manager/LRU policy and tiering manager/spec modules) were produced by reading the installed sources of vLLM 0.21.0, 0.25.1
 and 0.33.0 with :func:`guards.rewrite.iter_asserts`; the trailing comment of each row
 gives ``release:line`` where it was seen (information only, never used). Ranges:
 ``ALL`` = seen in all three; other ranges are the span between the releases it was seen
@@ -61,7 +61,23 @@ _SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _BASE = "vllm.v1.kv_offload.base"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
-TARGET_MODULES: tuple[str, ...] = (_SCHEDULER, _BASE, _CPU_SPEC, _CPU_MANAGER)
+_CPU_LRU = "vllm.v1.kv_offload.cpu.policies.lru"  # the CPU manager's eviction policy
+_TIERING_MANAGER = "vllm.v1.kv_offload.tiering.manager"  # from 0.25 on
+_TIERING_SPEC = "vllm.v1.kv_offload.tiering.spec"  # from 0.25 on
+#: 0.33.0 moved the window-in-chunks computation out of the scheduler module.
+_OFFLOADING_CONFIG = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config"
+#: Every module kvguard rewrites: the scheduler module and the kv_offload manager and spec
+#: modules (never the CUDA ``gpu_worker``: that is the GPU side).
+TARGET_MODULES: tuple[str, ...] = (
+    _SCHEDULER,
+    _BASE,
+    _CPU_SPEC,
+    _CPU_MANAGER,
+    _CPU_LRU,
+    _TIERING_MANAGER,
+    _TIERING_SPEC,
+    _OFFLOADING_CONFIG,
+)
 
 ALL = ">=0.21.0,<=0.33.0"
 TO_0_25 = ">=0.21.0,<0.33.0"
@@ -188,7 +204,7 @@ SITES: tuple[Site, ...] = (
         names.CHECK_SCHEDULER_ASSERT,
         KIND_WRAP_STEP,
     ),
-    # ---- every other assert of the four modules (vLLM decides; counted and logged)
+    # ---- every other assert of the target modules (vLLM decides; counted and logged)
     _assert('scheduler:get_sliding_window_size_in_blocks:136c52dc', _SCHEDULER, 'get_sliding_window_size_in_blocks', 'isinstance(kv_cache_spec, FullAttentionSpec)', names.CHECK_SCHEDULER_ASSERT, TO_0_25),  # 0.21.0:81, 0.25.1:106
     _assert('scheduler:get_sliding_window_size_in_blocks:64f6d916', _SCHEDULER, 'get_sliding_window_size_in_blocks', 'kv_cache_spec.sliding_window > 0', names.CHECK_SCHEDULER_ASSERT, TO_0_25),  # 0.21.0:74, 0.25.1:99
     _assert('scheduler:RequestOffloadState.update_block_id_groups:0c712ac3', _SCHEDULER, 'RequestOffloadState.update_block_id_groups', 'len(new_block_id_groups) == len(self.group_states)', names.CHECK_SCHEDULER_ASSERT, TO_0_25),  # 0.21.0:165, 0.25.1:292
@@ -226,6 +242,13 @@ SITES: tuple[Site, ...] = (
     _assert('kv_offload.cpu.spec:CPUOffloadingSpec.get_worker:182c786b', _CPU_SPEC, 'CPUOffloadingSpec.get_worker', 'self._worker is not None', names.CHECK_OFFLOAD_SPEC_ASSERT, FROM_0_25),  # 0.25.1:145, 0.33.0:227
     _assert('kv_offload.cpu.manager:CPUOffloadingManager.prepare_load:37a611b2', _CPU_MANAGER, 'CPUOffloadingManager.prepare_load', 'self._num_evictable_cache_blocks >= 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, ONLY_0_25),  # 0.25.1:146
     _assert('kv_offload.cpu.manager:CPUOffloadingManager.prepare_store:37a611b2', _CPU_MANAGER, 'CPUOffloadingManager.prepare_store', 'self._num_evictable_cache_blocks >= 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, ONLY_0_25),  # 0.25.1:207
+    _assert('kv_offload.cpu.policies.lru:LRUCachePolicy.evict:0927c1ee', _CPU_LRU, 'LRUCachePolicy.evict', 'block.ref_cnt == 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, ONLY_0_25),  # 0.25.1:67
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._process_finished_jobs:32c4ed77', _TIERING_MANAGER, 'TieringOffloadingManager._process_finished_jobs', 'job_metadata is not None', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_25),  # 0.25.1:217, 0.33.0:528
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._initiate_promotion:6a2ff208', _TIERING_MANAGER, 'TieringOffloadingManager._initiate_promotion', 'isinstance(store_spec, CPULoadStoreSpec)', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_25),  # 0.25.1:317, 0.33.0:722
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._cascade_existing_blocks_to_request_level_tiers:8ec434d7', _TIERING_MANAGER, 'TieringOffloadingManager._cascade_existing_blocks_to_request_level_tiers', 'isinstance(primary_blocks_spec, CPULoadStoreSpec)', names.CHECK_OFFLOAD_MANAGER_ASSERT, ONLY_0_25),  # 0.25.1:486
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager.complete_store:c45d7688', _TIERING_MANAGER, 'TieringOffloadingManager.complete_store', 'state.pending_primary_stores > 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_25),  # 0.25.1:554, 0.33.0:981
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager.complete_store:8ec434d7', _TIERING_MANAGER, 'TieringOffloadingManager.complete_store', 'isinstance(primary_blocks_spec, CPULoadStoreSpec)', names.CHECK_OFFLOAD_MANAGER_ASSERT, ONLY_0_25),  # 0.25.1:538
+    _assert('kv_offload.tiering.spec:TieringOffloadingSpec.build_metric_definitions:f081b6a0', _TIERING_SPEC, 'TieringOffloadingSpec.build_metric_definitions', 'isinstance(tier_config, dict)', names.CHECK_OFFLOAD_SPEC_ASSERT, ONLY_0_25),  # 0.25.1:85
     _assert('scheduler:GroupOffloadConfig.load_window_size_in_chunks:724fa733', _SCHEDULER, 'GroupOffloadConfig.load_window_size_in_chunks', 'window is not None', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:120
     _assert('scheduler:resolve_mamba_align_size:be8f7075', _SCHEDULER, 'resolve_mamba_align_size', 'mamba_align_size is None or mamba_align_size == tokens_per_chunk', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:153
     _assert('scheduler:SchedulerOffloadConfig.from_spec:9876d0cd', _SCHEDULER, 'SchedulerOffloadConfig.from_spec', 'manager_cls is not None', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:249
@@ -259,6 +282,23 @@ SITES: tuple[Site, ...] = (
     _assert('kv_offload.cpu.manager:CPUOffloadingManager.complete_load:5a3ca4f3', _CPU_MANAGER, 'CPUOffloadingManager.complete_load', 'chunk.ref_cnt > 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:254
     _assert('kv_offload.cpu.manager:CPUOffloadingManager.prepare_store:eaca2255', _CPU_MANAGER, 'CPUOffloadingManager.prepare_store', 'len(chunks) == len(keys_to_store)', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:356
     _assert('kv_offload.cpu.manager:CPUOffloadingManager.prepare_store:47aefa02', _CPU_MANAGER, 'CPUOffloadingManager.prepare_store', 'self._num_evictable_cache_chunks >= 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:340
+    _assert('offloading.config:get_sliding_window_size_in_chunks:136c52dc', _OFFLOADING_CONFIG, 'get_sliding_window_size_in_chunks', 'isinstance(kv_cache_spec, FullAttentionSpec)', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:83
+    _assert('offloading.config:get_sliding_window_size_in_chunks:64f6d916', _OFFLOADING_CONFIG, 'get_sliding_window_size_in_chunks', 'kv_cache_spec.sliding_window > 0', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:65
+    _assert('offloading.config:get_sliding_window_size_in_chunks:b2cb62a1', _OFFLOADING_CONFIG, 'get_sliding_window_size_in_chunks', 'kv_cache_spec.attention_chunk_size > 0', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:76
+    _assert('offloading.config:build_offloading_config:df017f0b', _OFFLOADING_CONFIG, 'build_offloading_config', 'kv_transfer_config is not None', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:93
+    _assert('offloading.config:build_offloading_config:642e30cf', _OFFLOADING_CONFIG, 'build_offloading_config', 'kv_transfer_config.engine_id is not None', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:95
+    _assert('offloading.config:build_offloading_config:2488b011', _OFFLOADING_CONFIG, 'build_offloading_config', 'tokens_per_block % tokens_per_hash == 0', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:114
+    _assert('offloading.config:build_offloading_config:474af87d', _OFFLOADING_CONFIG, 'build_offloading_config', 'len(unique_tokens_per_block) == 1', names.CHECK_SCHEDULER_ASSERT, FROM_0_33),  # 0.33.0:142
+    _assert('kv_offload.cpu.policies.lru:LRUCachePolicy.evict:66060ad3', _CPU_LRU, 'LRUCachePolicy.evict', 'chunk.ref_cnt == 0', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:197
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager.__init__:4681ca57', _TIERING_MANAGER, 'TieringOffloadingManager.__init__', 'primary_view.strides is not None', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:256
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._complete_promotion:d0c07d83', _TIERING_MANAGER, 'TieringOffloadingManager._complete_promotion', 'failed_keys_set.issuperset(successful_keys)', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:471
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._process_finished_jobs:3af700ea', _TIERING_MANAGER, 'TieringOffloadingManager._process_finished_jobs', 'job_metadata.tier_idx == i', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:532
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._cascade_existing_chunks_to_request_level_tiers:8e80fea0', _TIERING_MANAGER, 'TieringOffloadingManager._cascade_existing_chunks_to_request_level_tiers', 'result is LookupResult.MISS', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:908
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager._flush_pending_cascades:cb568867', _TIERING_MANAGER, 'TieringOffloadingManager._flush_pending_cascades', 'state.request_level_tiers', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:930
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager.create_store_job:55d5cb81', _TIERING_MANAGER, 'TieringOffloadingManager.create_store_job', 'isinstance(primary_chunks_spec, CPULoadStoreSpec)', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:1001
+    _assert('kv_offload.tiering.manager:TieringOffloadingManager.reset_cache:c014bf27', _TIERING_MANAGER, 'TieringOffloadingManager.reset_cache', 'not self._jobs', names.CHECK_OFFLOAD_MANAGER_ASSERT, FROM_0_33),  # 0.33.0:1169
+    _assert('kv_offload.tiering.spec:TieringOffloadingSpec.config_info_keys:0063cf91', _TIERING_SPEC, 'TieringOffloadingSpec.config_info_keys', 'TIER_LABEL not in tier_keys', names.CHECK_OFFLOAD_SPEC_ASSERT, FROM_0_33),  # 0.33.0:478
+    _assert('kv_offload.tiering.spec:TieringOffloadingSpec._get_secondary_tiers:f081b6a0', _TIERING_SPEC, 'TieringOffloadingSpec._get_secondary_tiers', 'isinstance(tier_config, dict)', names.CHECK_OFFLOAD_SPEC_ASSERT, FROM_0_33),  # 0.33.0:508
 )
 
 SITES_BY_ID: dict[str, Site] = {site.site_id: site for site in SITES}
