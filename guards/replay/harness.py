@@ -103,6 +103,16 @@ def install_guard(policy: str) -> None:
     plugin.register(GuardSettings(policy=policy))
 
 
+def uninstall_guard() -> None:
+    """Restore vLLM's original code if this process installed the guard (bench, tests)."""
+    if "guards.instrumentor" in sys.modules:
+        from guards.instrumentor import OffloadGuardInstrumentor
+
+        inst = OffloadGuardInstrumentor()
+        if inst.is_installed:
+            inst.uninstall()
+
+
 def _route_vllm_logs_to_stderr() -> None:
     """vLLM logs to stdout by default; ``--json`` must own stdout alone."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -451,6 +461,7 @@ def run_replay(
         runtime.reset()
     else:
         os.environ["KVGUARD_DISABLE"] = "1"
+        uninstall_guard()
     if engine is None:
         engine = build_engine(trace.geometry)
     result.worker = engine.worker

@@ -1,0 +1,165 @@
+"""Step-time cost of the guard: replay one long trace with and without it, in one process.
+
+    .venvs/vllm-0.33.0/bin/python bench/replay_overhead.py [--reps 5] [--agents 40]
+        [--turns 6] [--write-trace PATH] [--json]
+
+The trace is generated (``generate_trace``): ``agents`` concurrent agent sessions of
+``turns`` serialized turns each (>= 200 requests by default: 40 x 6 = 240) on the
+seed geometry (full attention + sliding window 4096, GPU block 32, offloaded block 256).
+Each turn's prompt is the previous turn's prompt, its output and a new tool result, so
+the GPU prefix cache, CPU stores and CPU loads all run; the GPU pool is small enough
+that agents evict each other and later turns load from the CPU tier.
+
+Per repetition the trace is replayed twice on a fresh real ``Scheduler`` +
+``OffloadingConnector``: once with the guard installed through ``guards.plugin.register``
+and once after ``OffloadGuardInstrumentor().uninstall()`` restored vLLM's code. The
+order alternates between repetitions (interleaved), so drift of a shared machine hits
+both sides. The measured time of a step is ``schedule()`` + ``update_from_output()``
+(the simulated worker is not timed). Printed: the median step time of each side and
+their ratio (guard / no guard); the goal is <= 1.01, since a check that passes should
+cost what vLLM's ``assert`` cost. Exit status is 0 whatever the ratio (a measurement,
+not a test); 1 only if a replay failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from guards.replay.trace import Geometry, Segment, Trace, TraceRequest  # noqa: E402
+
+GEOMETRY = Geometry(
+    tokens_per_block=32,
+    tokens_per_chunk=256,
+    sliding_window=4096,
+    num_gpu_blocks=2048,
+    cpu_chunks=4096,
+    max_num_batched_tokens=8192,
+    max_num_seqs=16,
+    max_model_len=65536,
+    vocab_size=32000,
+)
+
+
+def generate_trace(agents: int = 40, turns: int = 6, seed: int = 0) -> Trace:
+    """``agents`` x ``turns`` requests: serialized turns per agent, agents staggered.
+
+    Agent ``a`` starts at step ``3 * a`` with a system+task prompt of 4,000-12,000
+    tokens; turn ``t`` appends turn ``t-1``'s output and a 200-1,500-token tool result.
+    Deterministic for a given ``seed``.
+    """
+    rng = random.Random(seed)
+    requests: list[TraceRequest] = []
+    for a in range(agents):
+        prompt: list[Segment] = [Segment(seed=10_000 + a, tokens=rng.randrange(4000, 12000))]
+        prev: str | None = None
+        for t in range(turns):
+            rid = f"agent-{a:03d}/turn-{t}"
+            if prev is not None:
+                prompt = prompt + [
+                    Segment(output_of=prev),
+                    Segment(seed=1_000_000 + 100 * a + t, tokens=rng.randrange(200, 1500)),
+                ]
+            requests.append(
+                TraceRequest(
+                    id=rid,
+                    prompt=tuple(prompt),
+                    max_tokens=rng.randrange(8, 48),
+                    after=prev,
+                    arrival_step=0 if prev else 3 * a,
+                )
+            )
+            prev = rid
+    # Arrival order: by the step the first turn arrives, then turn index (file order
+    # must list a request after the ones it waits for).
+    requests.sort(key=lambda r: (int(r.id.split("/turn-")[1]), r.arrival_step))
+    return Trace(
+        name=f"bench-agents-{agents}x{turns}",
+        geometry=GEOMETRY,
+        requests=tuple(requests),
+        description=f"{agents} agents x {turns} serialized turns (bench/replay_overhead.py)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per side (default 5)")
+    parser.add_argument("--agents", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--policy", default="guard", choices=["observe", "guard", "strict"])
+    parser.add_argument("--write-trace", metavar="PATH", help="also write the trace as JSONL")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    trace = generate_trace(args.agents, args.turns)
+    if args.write_trace:
+        Path(args.write_trace).write_text(trace.dumps(), encoding="utf-8")
+
+    from guards.replay import harness
+
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    rep_medians: dict[bool, list[float]] = {True: [], False: []}
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    checks: dict = {}
+    t0 = time.perf_counter()
+    for rep in range(args.reps):
+        order = (True, False) if rep % 2 == 0 else (False, True)
+        for guard in order:
+            result = harness.run_replay(trace, guard=guard, policy=args.policy)
+            if not result.ok:
+                print(f"replay failed (guard={guard}): {result.error or 'stalled'}", file=sys.stderr)
+                return 1
+            steps[guard].extend(result.step_times_s)
+            rep_medians[guard].append(statistics.median(result.step_times_s))
+            walls[guard].append(result.wall_s)
+            if guard:
+                checks = result.checks
+            print(
+                f"rep {rep + 1}/{args.reps} guard={'on ' if guard else 'off'}: "
+                f"{result.steps} steps, median step {1e3 * rep_medians[guard][-1]:.3f} ms, "
+                f"replay {result.wall_s:.2f} s",
+                file=sys.stderr,
+            )
+    med_on, med_off = statistics.median(steps[True]), statistics.median(steps[False])
+    pair_ratios = [a / b for a, b in zip(rep_medians[True], rep_medians[False])]
+    out = {
+        "vllm_version": harness.vllm_version(),
+        "trace": trace.name,
+        "requests": len(trace.requests),
+        "reps": args.reps,
+        "steps_per_replay": len(steps[True]) // args.reps,
+        "median_step_ms": {"guard": round(1e3 * med_on, 4), "no_guard": round(1e3 * med_off, 4)},
+        "median_step_time_ratio": round(med_on / med_off, 4),
+        "median_of_rep_ratios": round(statistics.median(pair_ratios), 4),
+        "goal": 1.01,
+        "checks_evaluated_per_replay": {
+            k: v["evaluated"] for k, v in checks.items() if v.get("evaluated")
+        },
+        "bench_wall_s": round(time.perf_counter() - t0, 1),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(
+            f"kvguard bench: {out['requests']} requests x {args.reps} reps per side on vLLM "
+            f"{out['vllm_version']}, {out['steps_per_replay']} steps per replay\n"
+            f"  median step time: guard {out['median_step_ms']['guard']} ms, "
+            f"no guard {out['median_step_ms']['no_guard']} ms\n"
+            f"  median step-time ratio (guard / no guard): {out['median_step_time_ratio']} "
+            f"(median of per-rep ratios {out['median_of_rep_ratios']}; goal <= 1.01)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

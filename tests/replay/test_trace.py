@@ -1,0 +1,124 @@
+"""The replay trace format and the built-in traces (light: no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from guards.replay.trace import (
+    BUILTIN_TRACES,
+    DEFAULT_TRACE,
+    TraceError,
+    load_trace,
+    parse_trace,
+    segment_tokens,
+)
+
+HEADER = {
+    "kind": "header",
+    "format": "kvguard-replay/1",
+    "name": "t",
+    "geometry": {"tokens_per_block": 32, "tokens_per_chunk": 256, "sliding_window": 4096},
+}
+
+
+def _lines(*objs: dict) -> list[str]:
+    return [json.dumps(o) for o in objs]
+
+
+def _req(rid: str, **kw) -> dict:
+    return {"kind": "request", "id": rid, "prompt": [{"seed": 1, "tokens": 10}], "max_tokens": 2, **kw}
+
+
+def test_default_trace_is_the_48959_geometry() -> None:
+    trace = load_trace(DEFAULT_TRACE)
+    g = trace.geometry
+    assert (g.sliding_window, g.tokens_per_block, g.tokens_per_chunk) == (4096, 32, 256)
+    assert g.blocks_per_chunk == 8
+    (driven,) = [r for r in trace.requests if r.external_hit_tokens is not None]
+    assert driven.external_hit_tokens == 98012
+    # The driven request shares agent-a's first segment and is longer than the hit.
+    first = trace.requests[0].prompt[0]
+    assert driven.prompt[0] == first
+    assert sum(s.tokens for s in driven.prompt) > 98012
+
+
+def test_42945_trace_has_16_gpu_blocks_per_chunk_and_a_straddling_local_hit() -> None:
+    trace = load_trace("seed-42945")
+    g = trace.geometry
+    assert g.blocks_per_chunk == 16
+    hit_blocks = 7808 // g.tokens_per_block  # the shared prefix of agent-a's turns
+    window_blocks = -(-(g.sliding_window - 1) // g.tokens_per_block)
+    first_real = hit_blocks - window_blocks
+    assert (first_real // g.blocks_per_chunk, first_real % g.blocks_per_chunk) == (14, 8)
+    assert [r.prompt[0].tokens for r in trace.requests if r.id.startswith("agent-a")] == [7808] * 3
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TRACES))
+def test_builtin_traces_round_trip(name: str) -> None:
+    trace = load_trace(name)
+    again = parse_trace(trace.dumps().splitlines(), source=name)
+    assert again == trace
+
+
+def test_segment_tokens_are_deterministic_and_in_vocab() -> None:
+    a = segment_tokens(7, 1000, 32000)
+    assert a == segment_tokens(7, 1000, 32000)
+    assert a != segment_tokens(8, 1000, 32000)
+    assert min(a) >= 1 and max(a) < 32000
+
+
+def test_waits_for_lists_after_and_output_of() -> None:
+    trace = parse_trace(
+        _lines(
+            HEADER,
+            _req("a"),
+            _req("b"),
+            _req("c", after="a", prompt=[{"output_of": "b"}, {"seed": 2, "tokens": 3}]),
+        )
+    )
+    assert trace.requests[2].waits_for == ("b", "a")
+    assert trace.requests[0].waits_for == ()
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([json.dumps(_req("a"))], "first line must be"),
+        (_lines(HEADER), "at least one request"),
+        (_lines(HEADER, _req("a"), _req("a")), "unique"),
+        (_lines(HEADER, _req("a", after="zzz")), "not an earlier request"),
+        (_lines(HEADER, _req("a", prompt=[{"output_of": "a"}])), "not an earlier request"),
+        (_lines(HEADER, _req("a", max_tokens=0)), "max_tokens"),
+        (_lines(HEADER, _req("a", external_hit_tokens=-1)), "external_hit_tokens"),
+        (_lines(HEADER, _req("a", prompt=[{"seed": 1, "tokens": 0}])), "positive int tokens"),
+        (["{not json"], "not JSON"),
+        (
+            _lines(dict(HEADER, geometry={"tokens_per_block": 32, "tokens_per_chunk": 100}), _req("a")),
+            "multiple of tokens_per_block",
+        ),
+        (_lines(dict(HEADER, geometry={"bogus": 1}), _req("a")), "bad geometry"),
+    ],
+)
+def test_malformed_traces_are_rejected_with_the_line(lines: list[str], message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        parse_trace(lines, source="x.jsonl")
+
+
+def test_unknown_trace_name_lists_the_builtins(tmp_path) -> None:
+    with pytest.raises(TraceError, match="seed-42945, seed-48959"):
+        load_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_replay_modules_import_without_vllm() -> None:
+    """vLLM is imported only when a replay runs (the CLI's ``--help`` stays light)."""
+    import subprocess
+
+    code = (
+        "import sys, guards.replay.trace, guards.replay.report, guards.replay.command;"
+        "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'torch'))];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
