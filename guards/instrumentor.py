@@ -198,6 +198,9 @@ class OffloadGuardInstrumentor:
             from guards.settings import GuardSettings
 
             settings = GuardSettings.from_env()
+        if settings.disable:
+            events.plugin_disabled(reason="KVGUARD_DISABLE=1")
+            return False
         if metrics is None:
             try:
                 from guards.metrics import get_metrics

@@ -214,3 +214,11 @@ def test_hook_error_is_counted_and_import_succeeds(tmp_path, registry, metrics, 
         base, _ = load()
         assert base.GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0]).block_ids == [1]
         assert sample(registry, "kvguard_guard_errors_total", stage=names.STAGE_HOOK) >= 1
+
+
+def test_disable_setting_installs_nothing(tmp_path, metrics):
+    with fakevllm.fake_vllm(tmp_path):
+        assert OffloadGuardInstrumentor().install(GuardSettings(disable=True), metrics=metrics) is False
+        assert not OffloadGuardInstrumentor().is_installed
+        base, _ = load()
+        assert "@kvguard_check" not in vars(base)
