@@ -174,7 +174,7 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
     page = full.page_size_bytes
     n = geometry.num_gpu_blocks
     tensor_fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    if "shared_by" in tensor_fields:  # vLLM <= 0.3x before the layered tensor layout
+    if "shared_by" in tensor_fields:  # vLLM 0.21 / 0.25: a tensor names the layers sharing it
         tensors = [KVCacheTensor(size=page * n, shared_by=list(layers))]
     else:  # vLLM 0.33: one backing allocation, layers side by side in each block
         tensors = [
@@ -193,9 +193,13 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
     return config, page
 
 
-def _cpu_bytes_to_use(geometry: Geometry, page: int, version: str) -> int:
-    # 0.21/0.25 derive bytes per GPU block from the tensors (one page, shared by both
-    # layers); 0.33 sums each group's page. Either way a chunk is a power-of-two size.
+def _cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
+    """``cpu_bytes_to_use`` for ``geometry.cpu_chunks`` offloaded blocks.
+
+    vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by both
+    layers); 0.33 sums each group's page. Chunks are powers of two, so no alignment
+    padding changes the count.
+    """
     per_block = page if "shared_by" in _tensor_fields() else 2 * page
     return geometry.cpu_chunks * per_block * geometry.blocks_per_chunk
 
@@ -269,7 +273,7 @@ def build_engine(geometry: Geometry) -> Engine:
         kv_role="kv_both",
         kv_connector_extra_config={
             "block_size": geometry.tokens_per_chunk,
-            "cpu_bytes_to_use": _cpu_bytes_to_use(geometry, page, version),
+            "cpu_bytes_to_use": _cpu_bytes_to_use(geometry, page),
         },
     )
     vllm_config = VllmConfig(

@@ -119,6 +119,8 @@ def test_exit_status_and_error(trace: str, mode: str, expected: dict) -> None:
     assert out["guard"] is (mode == GUARD)
     assert out["policy"] == ("guard" if mode == GUARD else None)
     assert code == want.exit_code, stderr[-3000:]
+    # The CPU tier vLLM built holds exactly the trace's offloaded blocks.
+    assert out["cpu_chunks"] == {"seed-48959": 2048, "seed-42945": 64}[trace]
     assert out["engine_survived"] is (want.error_contains is None)
     if want.error_contains is None:
         assert out["error"] is None
