@@ -166,3 +166,45 @@ def test_unwritable_termination_log_is_skipped_quietly(kvguard_run):
     code, out = kvguard_run(["--termination-log", "/proc/kvguard-nope/t", "--", "sh", "-c", "exit 5"]).wait()
     assert code == 5
     assert "Traceback" not in out
+
+
+def _pid_namespaces_available() -> bool:
+    try:
+        return subprocess.run(["unshare", "-fp", "--mount-proc", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(
+    not _pid_namespaces_available(),
+    reason="needs `unshare -fp` (a new PID namespace, root or user namespaces) to run kvguard run as PID 1",
+)
+def test_as_pid_1_forwards_sigterm_and_reaps_orphans(tmp_path):
+    """In a new PID namespace kvguard run is PID 1: the kernel drops unhandled signals
+    to PID 1, so forwarding only works because they are blocked and collected."""
+    import psutil
+
+    from sidecartools import KVGUARD
+
+    ready = tmp_path / "ready"
+    script = (
+        f"sh -c '(sleep 0.1; exit 3) &'; trap 'exit 0' TERM; touch {ready}; "
+        "while true; do sleep 0.05; done"
+    )
+    proc = subprocess.Popen(
+        ["unshare", "-fp", "--mount-proc", KVGUARD, "run", "--log-console", "--termination-log",
+         str(tmp_path / "t"), "--", "sh", "-c", script],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        busy_wait(ready.exists)
+        [pid1] = psutil.Process(proc.pid).children()
+        os.kill(pid1.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, out
+    assert "pid=1" in out and "orphan_reaped" in out and "signal_forwarded" in out
+    assert (tmp_path / "t").read_text() == "stopped on request\n"
