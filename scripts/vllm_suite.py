@@ -55,8 +55,9 @@ SHIMS = ROOT / "tests" / "vllm_suite_shims"
 SUITE = "tests/v1/kv_connector/unit/offloading_connector"
 DEFAULT_CACHE = Path.home() / ".cache" / "kvguard"
 DEFAULT_INDEX = "https://pypi.org/simple"
-# Fewest passed tests accepted in *each* run, per vLLM version (issue 5: >= 650 on 0.33.0).
-MIN_PASSED = {"0.33.0": 650, "0.25.1": 0}
+# Fewest passed tests accepted in *each* run, per vLLM version (issue 5: >= 650 on 0.33.0;
+# 0.25.1 ships 117 tests in the folder, 115 pass on a machine without a GPU).
+MIN_PASSED = {"0.33.0": 650, "0.25.1": 115}
 OUTCOMES = ("passed", "failed", "error", "skipped")
 PLUGINS = ("vllm_suite_hybrid_kv", "vllm_suite_session")
 REPORT_ENV = "KVSUITE_REPORT"
