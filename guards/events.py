@@ -111,8 +111,18 @@ _PROCESSORS = [
     _capture,
     structlog.processors.JSONRenderer(),
 ]
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at call time (vLLM or a test may replace it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 _log = structlog.wrap_logger(
-    structlog.PrintLogger(sys.stderr),
+    structlog.PrintLogger(_CurrentStderr()),
     processors=_PROCESSORS,
     wrapper_class=structlog.make_filtering_bound_logger(
         getattr(logging, os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper(), logging.INFO)
