@@ -520,6 +520,9 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
         w(f"  {r.outcome:<8} {r.test_id}")
         w(f"           reason: {r.reason}")
     w()
+    for name, rep in (("plain", p_report), ("guarded", g_report)):
+        w(f"platform seen by the {name} run: {(rep or {}).get('platform')}")
+    w()
     w("kvguard in the guarded run (KVGUARD_POLICY=guard):")
     w(f"  general plugins loaded: {', '.join((g_report or {}).get('general_plugins') or []) or '-'}")
     w(f"  guards modules imported: {len((g_report or {}).get('kvguard_modules') or [])}")

@@ -73,6 +73,18 @@ def _kvguard_metrics(state_dir: str | None) -> list[dict[str, object]] | None:
     return sorted(samples, key=lambda s: (s["name"], sorted(s["labels"].items())))
 
 
+def _platform() -> dict[str, object]:
+    """What the tests saw of vLLM's platform (with shim 2 still applied)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "device_type": current_platform.device_type,
+        "support_hybrid_kv_cache": current_platform.support_hybrid_kv_cache(),
+    }
+
+
 def _snapshot() -> dict[str, object] | None:
     runtime = sys.modules.get("guards.runtime")
     if runtime is None or not hasattr(runtime, "snapshot"):
@@ -89,10 +101,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "general_plugins": _general_plugins,
         "kvguard_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVGUARD_")},
         "kvguard_modules": sorted(m for m in sys.modules if m == "guards" or m.startswith("guards.")),
+        "platform": None,
         "snapshot": None,
         "metrics": None,
         "errors": list(_errors),
     }
+    try:
+        report["platform"] = _platform()
+    except Exception as exc:
+        report["errors"].append(f"platform: {exc!r}")
     try:
         report["snapshot"] = _snapshot()
     except Exception as exc:  # reported, never hides the test outcome
