@@ -195,6 +195,22 @@ class TestVerdict:
         }
 
 
+class TestRender:
+    def test_report_lists_differences_reasons_and_zero_counters(self, tmp_path):
+        plain = vs.Run("plain", {"KVGUARD_DISABLE": "1"}, tmp_path / "p", 10.0, 9.0, 1)
+        guarded = vs.Run("guarded", {"KVGUARD_POLICY": "guard"}, tmp_path / "g", 11.0, 9.5, 1)
+        text = vs.render(plain, guarded, results(a="passed", b="skipped"), results(a="failed", b="skipped"),
+                         OFF, ON)
+        assert "differing test ids: 1" in text
+        assert f"  {MOD}.test_scheduler::a: plain=passed guarded=failed" in text
+        assert "plain run, not passed: 1" in text and "           reason: needs CUDA" in text
+        assert "    kvguard_site_installed{site=scheduler.swa} 1" in text
+        assert "    kvguard_swa_pending_bound_ratio_bucket" not in text
+        assert "    swa_pending_bound: bound=None, evaluated=12, max_pending_blocks=None" in text
+        assert text.rstrip().endswith("sites_installed=0, evaluations=0, snapshot_evaluated=0, "
+                                      "violations=0, guard_errors=0")
+
+
 # ----------------------------------------------------------------- run environment
 
 
