@@ -557,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
-    python = args.vllm_env / "bin" / "python"
+    # Absolute but not resolved: pytest runs with cwd=src, and resolving the venv's
+    # python symlink would leave the virtual environment.
+    python = Path(os.path.abspath(args.vllm_env)) / "bin" / "python"
     try:
         version = installed_vllm(python)
         min_passed = args.min_passed if args.min_passed is not None else MIN_PASSED.get(version)
