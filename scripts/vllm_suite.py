@@ -6,7 +6,7 @@
 Steps, all in one vLLM environment (the one running this script unless ``--vllm-env``):
 
 1. ``fetch_sdist``: the sdist of the *installed* vLLM (``vllm-<version>.tar.gz``) from the
-   package index (PEP 691 JSON simple API, ``https://pypi.org/simple`` or
+   package index (simple API, PEP 691 JSON or PEP 503 HTML, ``https://pypi.org/simple`` or
    ``--index-url`` / ``$PIP_INDEX_URL``), sha256-checked against the index, cached in
    ``~/.cache/kvguard/sdists``; a cached file with a matching ``.sha256`` needs no network.
    ``pip download --no-binary :all:`` is not used: it builds the sdist's metadata, which
@@ -36,6 +36,7 @@ import argparse
 import ast
 import dataclasses
 import hashlib
+import html.parser
 import io
 import json
 import os
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -78,22 +80,61 @@ def sdist_filename(version: str) -> str:
 def index_file_entry(index_url: str, filename: str) -> tuple[str, str]:
     """Look ``filename`` up on the index's ``vllm`` project page; return ``(url, sha256)``.
 
-    Uses the PEP 691 JSON form of the simple API. Raises ``SetupError`` if the index
-    lists no such file or gives no sha256.
+    Asks for the PEP 691 JSON form of the simple API and accepts the PEP 503 HTML form.
+    Raises ``SetupError`` if the index lists no such file or gives no sha256.
     """
+    page_url = index_url.rstrip("/") + "/vllm/"
     request = urllib.request.Request(
-        index_url.rstrip("/") + "/vllm/",
-        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+        page_url,
+        headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"},
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
-        page = json.load(resp)
-    for entry in page.get("files", []):
-        if entry.get("filename") == filename:
-            digest = entry.get("hashes", {}).get("sha256")
-            if not digest:
-                raise SetupError(f"{index_url}: no sha256 for {filename}")
-            return entry["url"], digest
-    raise SetupError(f"{index_url}: the vllm project lists no {filename}")
+        body, content_type = resp.read(), resp.headers.get("Content-Type", "")
+    url, digest = find_in_simple_page(body, content_type, filename)
+    return urllib.parse.urljoin(page_url, url), digest
+
+
+class _AnchorParser(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[tuple[str, str]] = []  # (href, text)
+        self._href: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href") or ""
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None:
+            self.links.append((self._href, data.strip()))
+            self._href = None
+
+
+def find_in_simple_page(body: bytes, content_type: str, filename: str) -> tuple[str, str]:
+    """``(url, sha256)`` of ``filename`` in a simple-API project page. Pure.
+
+    JSON (PEP 691, ``application/vnd.pypi.simple.v1+json``): ``files[].filename`` /
+    ``url`` / ``hashes.sha256``. HTML (PEP 503): the anchor whose text is ``filename``,
+    its ``#sha256=`` fragment. The URL may be relative to the page. Raises ``SetupError``
+    if the file or its sha256 is missing.
+    """
+    if "json" in content_type:
+        for entry in json.loads(body).get("files", []):
+            if entry.get("filename") == filename:
+                digest = entry.get("hashes", {}).get("sha256")
+                if not digest:
+                    raise SetupError(f"no sha256 for {filename} on the index")
+                return entry["url"], digest
+    else:
+        parser = _AnchorParser()
+        parser.feed(body.decode("utf-8", errors="replace"))
+        for href, text in parser.links:
+            if text == filename:
+                url, _, fragment = href.partition("#")
+                if not fragment.startswith("sha256="):
+                    raise SetupError(f"no sha256 for {filename} on the index")
+                return url, fragment[len("sha256="):]
+    raise SetupError(f"the index's vllm page lists no {filename}")
 
 
 def fetch_sdist(version: str, cache_dir: Path, index_url: str = DEFAULT_INDEX) -> Path:

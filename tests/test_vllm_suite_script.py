@@ -252,6 +252,32 @@ def make_sdist(path: Path, files: dict[str, bytes], version: str = "9.9.9") -> P
     return path
 
 
+class TestSimpleIndexPage:
+    SHA = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+
+    def test_pep691_json(self):
+        body = json.dumps({"files": [
+            {"filename": "vllm-0.33.0-cp38-abi3-manylinux1_x86_64.whl", "url": "w", "hashes": {"sha256": "0"}},
+            {"filename": "vllm-0.33.0.tar.gz", "url": "https://files/vllm-0.33.0.tar.gz",
+             "hashes": {"sha256": self.SHA}},
+        ]}).encode()
+        got = vs.find_in_simple_page(body, "application/vnd.pypi.simple.v1+json", "vllm-0.33.0.tar.gz")
+        assert got == ("https://files/vllm-0.33.0.tar.gz", self.SHA)
+
+    def test_pep503_html_with_relative_link(self):
+        body = (f'<html><body><a href="../../p/vllm-0.25.1.tar.gz#sha256=0">vllm-0.25.1.tar.gz</a>'
+                f'<a href="../../p/vllm-0.33.0.tar.gz#sha256={self.SHA}">vllm-0.33.0.tar.gz</a>'
+                "</body></html>").encode()
+        got = vs.find_in_simple_page(body, "text/html", "vllm-0.33.0.tar.gz")
+        assert got == ("../../p/vllm-0.33.0.tar.gz", self.SHA)
+
+    def test_missing_file_or_hash_is_a_setup_error(self):
+        with pytest.raises(vs.SetupError, match="lists no vllm-9.tar.gz"):
+            vs.find_in_simple_page(b'{"files": []}', "application/vnd.pypi.simple.v1+json", "vllm-9.tar.gz")
+        with pytest.raises(vs.SetupError, match="no sha256"):
+            vs.find_in_simple_page(b'<a href="x.tar.gz">vllm-9.tar.gz</a>', "text/html", "vllm-9.tar.gz")
+
+
 class TestFetchSdist:
     def test_download_is_verified_cached_and_reused_offline(self, tmp_path, monkeypatch):
         source = make_sdist(tmp_path / "upstream.tar.gz", {"pyproject.toml": b"[x]\n"})
