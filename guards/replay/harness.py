@@ -52,6 +52,7 @@ class ReplayResult:
     trace: str
     guard: bool
     policy: str | None
+    guard_installed: bool = False
     engine_survived: bool = True
     error: str | None = None
     error_site: str | None = None
@@ -94,13 +95,18 @@ def _release(version: str) -> tuple[int, ...]:
     return Version(version).release
 
 
-def install_guard(policy: str) -> None:
-    """Install the offload guards the way vLLM loads the plugin (``guards.plugin.register``)."""
+def install_guard(policy: str) -> bool:
+    """Install the offload guards the way vLLM loads the plugin (``guards.plugin.register``).
+
+    Returns what ``register`` returns: True when the guards are installed in this process.
+    """
     from guards import plugin
+    from guards.instrumentor import OffloadGuardInstrumentor
     from guards.settings import GuardSettings
 
     os.environ.pop("KVGUARD_DISABLE", None)
-    plugin.register(GuardSettings(policy=policy))
+    installed = plugin.register(GuardSettings(policy=policy))
+    return bool(installed) or OffloadGuardInstrumentor().is_installed
 
 
 def uninstall_guard() -> None:
@@ -459,7 +465,7 @@ def run_replay(
         vllm_version=version, trace=trace.name, guard=guard, policy=policy if guard else None
     )
     if guard:
-        install_guard(policy)
+        result.guard_installed = install_guard(policy)
         from guards import runtime
 
         runtime.reset()

@@ -3,9 +3,10 @@
 The ``--json`` object (one line, one object, nothing else on stdout)::
 
     {"vllm_version": "0.25.1", "trace": "seed-48959", "guard": true, "policy": "guard",
-     "engine_survived": true, "error": null, "error_site": null, "stalled": false,
+     "guard_installed": true, "engine_survived": true, "error": null, "error_site": null,
+     "stalled": false,
      "requests": {"submitted": 4, "finished": 4},
-     "checks": {"swa_pending_bound": {"evaluated": 2, "tolerated": 1, "violations": 0,
+     "checks": {"swa_pending_bound": {"evaluated": 1, "tolerated": 1, "violations": 0,
                                       "max_pending_blocks": 129, "bound": 129}, ...},
      "steps": 68, "wall_s": 0.61,
      "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
@@ -81,6 +82,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "trace": result.trace,
         "guard": result.guard,
         "policy": result.policy,
+        "guard_installed": result.guard_installed,
         "engine_survived": result.engine_survived,
         "error": result.error,
         "error_site": result.error_site,

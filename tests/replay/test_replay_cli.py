@@ -118,6 +118,7 @@ def test_exit_status_and_error(trace: str, mode: str, expected: dict) -> None:
     assert out["vllm_version"] == _vllm_version()
     assert out["guard"] is (mode == GUARD)
     assert out["policy"] == ("guard" if mode == GUARD else None)
+    assert out["guard_installed"] is (mode == GUARD)
     assert code == want.exit_code, stderr[-3000:]
     # The CPU tier vLLM built holds exactly the trace's offloaded blocks.
     assert out["cpu_chunks"] == {"seed-48959": 2048, "seed-42945": 64}[trace]
