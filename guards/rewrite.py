@@ -13,15 +13,18 @@ comprehensions of that function are reached too (they are compiled into its code
 Generated code per kind, with names that are not valid identifiers so they cannot
 clash with vLLM's (pytest uses ``@py_assert``):
 
-``assert`` (failure-only)::
+``assert`` (failure-only: counted when it fails)::
 
     if __debug__:
-        if <test>:
-            @kvguard_passes[<index>] += 1
-        else:
+        if not <test>:
             @kvguard_exc = @kvguard_check(<site_id>, False, @kvguard_locals()[, <msg>])
             if @kvguard_exc is not None:
                 raise @kvguard_exc
+
+  On the passing path this is exactly vLLM's ``assert <test>``: CPython compiles both to
+  the test followed by one conditional jump (``__debug__`` is folded at compile time, so
+  ``-O`` strips the site as it strips the assert). A passing generic assert therefore costs
+  nothing more than vLLM's own; ``tests/guards/test_rewrite.py`` counts the opcodes.
 
 ``window`` (every evaluation, the geometry is needed for the exact bound)::
 
@@ -58,7 +61,6 @@ __all__ = [
     "KIND_WINDOW",
     "KIND_STORE_CALL",
     "GLOBAL_CHECK",
-    "GLOBAL_PASSES",
     "GLOBAL_LOCALS",
     "GLOBAL_STORE_DROPPED",
     "GLOBAL_DROP_STORE",
@@ -78,7 +80,6 @@ KIND_WINDOW = "window"
 KIND_STORE_CALL = "store_call"
 
 GLOBAL_CHECK = "@kvguard_check"
-GLOBAL_PASSES = "@kvguard_passes"
 GLOBAL_LOCALS = "@kvguard_locals"
 GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
 GLOBAL_DROP_STORE = "@kvguard_drop_store"
@@ -87,7 +88,6 @@ _LOCAL_EXC = "@kvguard_exc"
 #: Every global name rewritten code may read (the instrumentor injects exactly these).
 INJECTED_GLOBALS: tuple[str, ...] = (
     GLOBAL_CHECK,
-    GLOBAL_PASSES,
     GLOBAL_LOCALS,
     GLOBAL_STORE_DROPPED,
     GLOBAL_DROP_STORE,
@@ -99,13 +99,12 @@ class SiteSpec:
     """One site to rewrite inside one function.
 
     ``fingerprints``: accepted normalized texts (assert test, or whole statement for
-    ``store_call``); ``index``: the site's slot in ``runtime.PASSES``.
+    ``store_call``).
     """
 
     site_id: str
     kind: str
     fingerprints: tuple[str, ...]
-    index: int = 0
 
 
 def normalize_assert(node: ast.Assert) -> str:
@@ -348,19 +347,6 @@ class SiteRewriter(ast.NodeTransformer):
                     ast.IfExp(test=_gen(_name(_LOCAL_OK)), body=_gen(ast.Constant(None)), orelse=node.msg)
                 )
         else:
-            inc = _gen(
-                ast.AugAssign(
-                    target=_gen(
-                        ast.Subscript(
-                            value=_gen(_name(GLOBAL_PASSES)),
-                            slice=_gen(ast.Constant(spec.index)),
-                            ctx=ast.Store(),
-                        )
-                    ),
-                    op=_gen(ast.Add()),
-                    value=_gen(ast.Constant(1)),
-                )
-            )
             fail = [
                 _gen(
                     ast.Assign(
@@ -370,7 +356,10 @@ class SiteRewriter(ast.NodeTransformer):
                 ),
                 raise_if,
             ]
-            body = [_gen(ast.If(test=node.test, body=[inc], orelse=fail))]
+            # ``if not <test>``: the compiler folds the ``not`` into the jump, so the
+            # passing path is the assert's own (test, one conditional jump).
+            not_test = _gen(ast.UnaryOp(op=_gen(ast.Not()), operand=node.test))
+            body = [_gen(ast.If(test=not_test, body=fail, orelse=[]))]
         guard = _gen(ast.If(test=_gen(_name("__debug__")), body=body, orelse=[]))
         _locate(guard, node)
         return [guard]  # type: ignore[list-item]

@@ -1,14 +1,20 @@
 """The policy decision of every rewritten check site, plus in-process counters.
 
 Rewritten vLLM code (see :mod:`guards.rewrite`) reaches this module through names that
-cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_passes``, ...), injected into
+cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_locals``, ...), injected into
 the target module's globals by :mod:`guards.instrumentor`:
 
-- a passing plain assert costs one list-item increment (``@kvguard_passes[i] += 1``);
+- a passing plain assert never reaches kvguard: it costs exactly vLLM's own assert (the
+  test and one conditional jump);
 - a failing assert calls :func:`check` ``(site_id, False, locals(), msg)``, which counts,
   logs and returns the exception the rewritten code must raise, or ``None`` to continue;
 - the window site (the SWA / Mamba pending-block assert of ``update_state_after_alloc``)
   calls :func:`check` on every evaluation, because the exact bound needs the geometry.
+
+So ``kvguard_check_evaluations_total{check}`` counts the checks of
+:data:`guards.names.EVALUATED_CHECKS` (``swa_pending_bound``, ``mamba_state_limit``),
+one increment per evaluation; every other check is counted only when it fails, its
+evaluations series stays 0 and :func:`snapshot` reports its ``evaluated`` as None.
 
 Policies (``../shared/DESIGN.md``):
 
@@ -36,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import CodeType
@@ -54,8 +59,6 @@ __all__ = [
     "last_failed_site",
     "suppressed",
     "configure",
-    "flush",
-    "PASSES",
 ]
 
 _NO_MSG: Any = object()
@@ -73,19 +76,13 @@ class StoreDropped(AssertionError):
 
 @dataclass(frozen=True, slots=True)
 class _SiteRT:
-    index: int
     site_id: str
     check: str
     kind: str
 
 
-#: site id -> runtime info, in site-table order (index = position in PASSES).
-_SITE_RT: dict[str, _SiteRT] = {
-    s.site_id: _SiteRT(i, s.site_id, s.check, s.kind) for i, s in enumerate(SITES)
-}
-#: Passing evaluations per site index, incremented inline by rewritten code.
-PASSES: list[int] = [0] * len(SITES)
-_CHECK_OF_INDEX: tuple[str, ...] = tuple(s.check for s in SITES)
+#: site id -> runtime info.
+_SITE_RT: dict[str, _SiteRT] = {s.site_id: _SiteRT(s.site_id, s.check, s.kind) for s in SITES}
 
 _lock = threading.Lock()
 _evals: dict[str, int] = {}
@@ -95,9 +92,6 @@ _max_pending: dict[str, int] = {}
 _bound: dict[str, int] = {}
 _last_failed_site: str | None = None
 _suppress_depth = 0
-_flushed_evals: dict[str, int] = {}
-_last_flush = 0.0
-_FLUSH_INTERVAL_S = 1.0
 
 #: Code objects of rewritten ``_build_store_jobs`` (they catch StoreDropped).
 STORE_BUILDER_CODES: set[CodeType] = set()
@@ -160,7 +154,6 @@ def configure(
 def unconfigure() -> None:
     """Back to no-op sinks and the default policy (used by ``uninstall()``)."""
     global _metrics, _events, _policy
-    flush(force=True)
     _metrics, _events, _policy = _NullMetrics(), _NullEvents(), names.DEFAULT_POLICY
 
 
@@ -186,7 +179,13 @@ def _exc(msg: Any) -> AssertionError:
 
 
 def _count_eval(check_name: str) -> None:
+    # Only the window site evaluates (about once per load of a sliding-window or Mamba
+    # group), so the metrics sink is written on every evaluation: nothing to flush later.
     _evals[check_name] = _evals.get(check_name, 0) + 1
+    try:
+        _metrics.evaluations(check_name, 1)
+    except Exception as error:
+        guard_error(names.STAGE_METRICS, error)
 
 
 def _count_violation(site: _SiteRT, check_name: str, action: str) -> None:
@@ -228,8 +227,7 @@ def check(site_id: str, ok: bool, context: dict[str, Any] | None = None, msg: An
     try:
         if site.kind == KIND_WINDOW:
             return _check_window(site, ok, context or {}, msg)
-        if ok:
-            PASSES[site.index] += 1
+        if ok:  # rewritten asserts call only on failure; a pass is vLLM's own, uncounted
             return None
         return _check_failed_assert(site, context or {}, msg)
     except Exception as error:  # guard code must never take the engine down
@@ -238,7 +236,6 @@ def check(site_id: str, ok: bool, context: dict[str, Any] | None = None, msg: An
 
 
 def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> BaseException:
-    _count_eval(site.check)
     action = names.ACTION_RAISED
     exc: BaseException = _exc(msg)
     if (
@@ -249,7 +246,6 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
         action = names.ACTION_STORE_DROPPED
         exc = StoreDropped(msg) if msg is not _NO_MSG else StoreDropped()
     _count_violation(site, site.check, action)
-    _flush_soon()
     _events.check_failed(
         site=site.site_id,
         check=site.check,
@@ -325,9 +321,9 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
         guard_error(names.STAGE_CONTEXT, error)
         geometry = None
     if geometry is None or geometry[0] == "other":
-        # Unknown group kind or geometry: vLLM's own assert decides.
+        # Unknown group kind or geometry: vLLM's own assert decides, and it is counted
+        # like any generic assert (only when it fails).
         check_name = names.CHECK_SCHEDULER_ASSERT
-        _count_eval(check_name)
         if ok:
             return None
         if geometry is None:
@@ -335,7 +331,6 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
             # the guard is blind here, say so
             guard_error(names.STAGE_CONTEXT, LookupError("no KV cache spec for this group"))
         _count_violation(site, check_name, names.ACTION_RAISED)
-        _flush_soon()
         _events.check_failed(
             site=site.site_id, check=check_name, policy=_policy, action=names.ACTION_RAISED,
             vllm_version=_vllm_version, context=context, message=None,
@@ -401,11 +396,9 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
     )
     if not action:
         _count_tolerated(check_name)
-        _flush_soon()
         _events.check_tolerated(**geometry_fields)
         return None
     _count_violation(site, check_name, action)
-    _flush_soon()
     _events.check_failed(action=action, **geometry_fields)
     return result
 
@@ -436,62 +429,23 @@ def drop_store(site_id: str, context: dict[str, Any]) -> None:
         guard_error(names.STAGE_STORE_DROP, error)
 
 
-def _evaluations_by_check() -> dict[str, int]:
-    totals = dict(_evals)
-    for index, passes in enumerate(PASSES):
-        if passes:
-            name = _CHECK_OF_INDEX[index]
-            totals[name] = totals.get(name, 0) + passes
-    return totals
-
-
-def flush(force: bool = True) -> None:
-    """Push evaluation counts accumulated in plain ints to the metrics sink.
-
-    Passing asserts only bump :data:`PASSES` (cheap); this turns them into
-    ``kvguard_check_evaluations_total`` increments. Called once per scheduler step (rate
-    limited to one per second), on every failure, by :func:`snapshot` and at uninstall.
-    """
-    global _last_flush
-    now = time.monotonic()
-    if not force and now - _last_flush < _FLUSH_INTERVAL_S:
-        return
-    _last_flush = now
-    try:
-        with _lock:
-            totals = _evaluations_by_check()
-            for name, total in totals.items():
-                delta = total - _flushed_evals.get(name, 0)
-                if delta > 0:
-                    _metrics.evaluations(name, delta)
-                    _flushed_evals[name] = total
-    except Exception as error:
-        guard_error(names.STAGE_METRICS, error)
-
-
-def _flush_soon() -> None:
-    flush(force=True)
-
-
-def step_flush() -> None:
-    """Once-per-step hook (wrapped around ``build_connector_meta``): rate-limited flush."""
-    flush(force=False)
-
-
 def snapshot() -> dict[str, dict[str, int | None]]:
     """Per check name: ``{"evaluated", "tolerated", "violations", "max_pending_blocks", "bound"}``.
 
-    Every name of :data:`guards.names.CHECKS` is present. ``max_pending_blocks`` (GPU
-    blocks) and ``bound`` (the exact bound, GPU blocks, of the geometry where the max was
-    seen) are set for ``swa_pending_bound`` and ``mamba_state_limit`` once evaluated, else
-    None. Also flushes evaluation counts to the metrics sink.
+    Every name of :data:`guards.names.CHECKS` is present. ``evaluated`` is an int for the
+    checks of :data:`guards.names.EVALUATED_CHECKS` (``swa_pending_bound``,
+    ``mamba_state_limit``: counted on every evaluation) and None for every other check
+    (``group_sizes_consistency`` and the generic ``*_assert`` checks): their passing
+    evaluations are vLLM's own asserts and are not counted, so None says "not counted",
+    never "not evaluated"; their failures are in ``violations``. ``max_pending_blocks``
+    (GPU blocks) and ``bound`` (the exact bound, GPU blocks, of the geometry where the max
+    was seen) are set for ``swa_pending_bound`` and ``mamba_state_limit`` once evaluated,
+    else None.
     """
-    flush(force=True)
-    totals = _evaluations_by_check()
     result: dict[str, dict[str, int | None]] = {}
     for name in names.CHECKS:
         result[name] = {
-            "evaluated": totals.get(name, 0),
+            "evaluated": _evals.get(name, 0) if name in names.EVALUATED_CHECKS else None,
             "tolerated": _tolerated.get(name, 0),
             "violations": _violations.get(name, 0),
             "max_pending_blocks": _max_pending.get(name),
@@ -504,9 +458,7 @@ def reset() -> None:
     """Zero every in-process counter (not the Prometheus ones) and forget the last failure."""
     global _last_failed_site
     with _lock:
-        for i in range(len(PASSES)):
-            PASSES[i] = 0  # in place: rewritten code holds this very list
-        for d in (_evals, _tolerated, _violations, _max_pending, _bound, _flushed_evals):
+        for d in (_evals, _tolerated, _violations, _max_pending, _bound):
             d.clear()
         _last_failed_site = None
 

@@ -36,7 +36,6 @@ __all__ = [
     "KIND_WINDOW",
     "KIND_STORE_CALL",
     "KIND_WRAP_INIT",
-    "KIND_WRAP_STEP",
     "SUPPORTED_VLLM",
     "TARGET_MODULES",
     "site_in_range",
@@ -45,14 +44,11 @@ __all__ = [
     "SITE_GROUP_SIZES_INDICES",
     "SITE_STORE_DROP",
     "SITE_SCHEDULER_GEOMETRY",
-    "SITE_STEP_FLUSH",
 ]
 
 #: A boundary wrap (wrapt) around the scheduler's ``__init__`` that records each KV cache
 #: group's spec (window, kind), for releases whose group config does not carry it.
 KIND_WRAP_INIT = "wrap_init"
-#: A boundary wrap around the once-per-step ``build_connector_meta``: flushes counters.
-KIND_WRAP_STEP = "wrap_step"
 
 #: The vLLM releases kvguard supports (``_instruments`` of OTel): both distributions.
 SUPPORTED_VLLM = ">=0.21.0,<=0.33.0"
@@ -95,7 +91,7 @@ class Site:
     ``module``: the dotted vLLM module; ``targets``: ``(qualname, fingerprint)`` pairs,
     any of which identifies the site; ``versions``: PEP 440 specifier of the vLLM
     releases the site is expected in; ``check``: the ``check`` label; ``kind``: one of
-    ``assert`` / ``window`` / ``store_call`` / ``wrap_init`` / ``wrap_step``; ``issue``:
+    ``assert`` / ``window`` / ``store_call`` / ``wrap_init``; ``issue``:
     the upstream vLLM issue behind a non-generic site.
     """
 
@@ -117,7 +113,6 @@ SITE_GROUP_SIZES_SUM = "kv_offload.base:GPULoadStoreSpec.__init__:group_sizes_su
 SITE_GROUP_SIZES_INDICES = "kv_offload.base:GPULoadStoreSpec.__init__:block_indices_len"
 SITE_STORE_DROP = "scheduler:OffloadingConnectorScheduler._build_store_jobs:store_drop"
 SITE_SCHEDULER_GEOMETRY = "scheduler:OffloadingConnectorScheduler.__init__:geometry"
-SITE_STEP_FLUSH = "scheduler:OffloadingConnectorScheduler.build_connector_meta:step_flush"
 
 SITES: tuple[Site, ...] = (
     # The SWA / Mamba pending-block assert of a load (vLLM #48959). The same assert holds
@@ -195,14 +190,6 @@ SITES: tuple[Site, ...] = (
         names.CHECK_SWA_PENDING_BOUND,
         KIND_WRAP_INIT,
         "vllm#48959",
-    ),
-    Site(
-        SITE_STEP_FLUSH,
-        _SCHEDULER,
-        (("OffloadingConnectorScheduler.build_connector_meta", ""),),
-        ALL,
-        names.CHECK_SCHEDULER_ASSERT,
-        KIND_WRAP_STEP,
     ),
     # ---- every other assert of the target modules (vLLM decides; counted and logged)
     _assert('scheduler:get_sliding_window_size_in_blocks:136c52dc', _SCHEDULER, 'get_sliding_window_size_in_blocks', 'isinstance(kv_cache_spec, FullAttentionSpec)', names.CHECK_SCHEDULER_ASSERT, TO_0_25),  # 0.21.0:81, 0.25.1:106

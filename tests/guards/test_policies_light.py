@@ -51,6 +51,8 @@ class TestIssue48959:
         snap = runtime.snapshot()[names.CHECK_SWA_PENDING_BOUND]
         assert snap == {"evaluated": 1, "tolerated": 1, "violations": 0, "max_pending_blocks": 129, "bound": 129}
         assert sample(registry, "kvguard_check_tolerated_total", check="swa_pending_bound") == 1
+        # the window site's evaluation reaches the counter at once (no flush, no step wrap)
+        assert sample(registry, "kvguard_check_evaluations_total", check="swa_pending_bound") == 1
         event = next(e for e in logged if e["event"] == "check_tolerated")
         assert {
             "sliding_window": 4096, "tokens_per_block": 32, "blocks_per_chunk": 8, "num_cached_tokens": 98012,
@@ -200,6 +202,11 @@ def test_context_error_falls_back_to_vllm(fake, registry, monkeypatch):
     sched.update_state_after_alloc(Request(), 4096 * 2, 256 - 128)
     assert sched.loads == [128, 128]
     assert sample(registry, "kvguard_guard_errors_total", stage="context") == 1
+    # blind: vLLM's assert decided and passed, counted like a generic assert (not at all)
+    assert runtime.snapshot()["scheduler_assert"] == {
+        "evaluated": None, "tolerated": 0, "violations": 0, "max_pending_blocks": None, "bound": None,
+    }
+    assert sample(registry, "kvguard_check_evaluations_total", check="scheduler_assert") == 0
 
 
 def test_suppressed_behaves_like_plain_asserts(fake, registry):
