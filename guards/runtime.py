@@ -48,7 +48,7 @@ from types import CodeType
 from typing import Any
 
 from guards import invariants, names
-from guards.sites import KIND_STORE_CALL, KIND_WINDOW, SITES
+from guards.sites import KIND_WINDOW, SITES
 
 __all__ = [
     "StoreDropped",

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import wrapt
 from prometheus_client import CollectorRegistry
 
 from guards import runtime
@@ -20,7 +21,6 @@ from guards.rewrite import INJECTED_GLOBALS
 from guards.settings import GuardSettings
 from guards.sites import (
     KIND_WRAP_INIT,
-    KIND_WRAP_STEP,
     SITE_GROUP_SIZES_SUM,
     SITE_SWA_PENDING_BOUND,
     SITES,
@@ -30,7 +30,9 @@ from guards.sites import (
 
 pytestmark = pytest.mark.vllm
 
-EXPECTED_INSTALLED = {"0.21.0": 34, "0.25.1": 48, "0.33.0": 66}
+#: One fewer than while a wrap of ``build_connector_meta`` flushed pass counts (removed:
+#: passing generic asserts are no longer counted).
+EXPECTED_INSTALLED = {"0.21.0": 33, "0.25.1": 47, "0.33.0": 65}
 
 
 @pytest.fixture(autouse=True)
@@ -211,7 +213,10 @@ def test_wraps_are_present_only_where_needed(modules, metrics):
     version = installed_vllm_version()
     OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics)
     status = OffloadGuardInstrumentor().site_status()
-    wraps = {s.site_id: status[s.site_id] for s in SITES if s.kind in (KIND_WRAP_INIT, KIND_WRAP_STEP)}
+    wraps = {s.site_id: status[s.site_id] for s in SITES if s.kind == KIND_WRAP_INIT}
     geometry = "scheduler:OffloadingConnectorScheduler.__init__:geometry"
-    assert wraps[geometry] == ("out_of_range" if version == "0.33.0" else "installed")
-    assert wraps["scheduler:OffloadingConnectorScheduler.build_connector_meta:step_flush"] == "installed"
+    # the geometry recorder is the only wrap; the once-per-step scheduler path is vLLM's own
+    assert wraps == {geometry: "out_of_range" if version == "0.33.0" else "installed"}
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    assert not isinstance(vars(OffloadingConnectorScheduler)["build_connector_meta"], wrapt.ObjectProxy)
