@@ -150,8 +150,10 @@ def to_text(report: dict[str, Any]) -> str:
         bound = ""
         if c.get("max_pending_blocks") is not None:
             bound = f", max pending {c['max_pending_blocks']} / bound {c['bound']} GPU blocks"
+        # evaluated is None for checks counted only when they fail (names.EVALUATED_CHECKS)
+        evaluated = "" if c["evaluated"] is None else f"{c['evaluated']} evaluated, "
         lines.append(
-            f"  check:    {name}: {c['evaluated']} evaluated, {c['tolerated']} tolerated, "
+            f"  check:    {name}: {evaluated}{c['tolerated']} tolerated, "
             f"{c['violations']} violations{bound}"
         )
     lines.append(f"  time:     {report['wall_s']} s replay, {report['steps']} scheduler steps")
