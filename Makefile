@@ -17,10 +17,10 @@ PYTEST_FLAGS ?=
 demo:
 	@scripts/env.sh vllm-$(VLLM)
 	@echo "== vLLM $(VLLM), seed-48959, guard OFF (vLLM's own assertion decides) =="
-	@.venvs/vllm-$(VLLM)/bin/kvguard replay --no-guard; echo "(kvguard replay --no-guard exited $$?)"
+	@rc=0; .venvs/vllm-$(VLLM)/bin/kvguard replay --no-guard || rc=$$?; echo "(kvguard replay --no-guard exited $$rc)"
 	@echo
 	@echo "== vLLM $(VLLM), seed-48959, guard ON (policy: guard) =="
-	@.venvs/vllm-$(VLLM)/bin/kvguard replay; echo "(kvguard replay exited $$?)"
+	@rc=0; .venvs/vllm-$(VLLM)/bin/kvguard replay || rc=$$?; echo "(kvguard replay exited $$rc)"; exit $$rc
 
 ## test: every test, in every environment (what .ci/run calls)
 test: test-light test-vllm test-e2e test-vllm-suite
