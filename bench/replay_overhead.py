@@ -11,7 +11,7 @@ the GPU prefix cache, CPU stores and CPU loads all run; the GPU pool is small en
 that agents evict each other and later turns load from the CPU tier.
 
 After one unmeasured warm-up replay per side, each repetition replays the trace twice on a fresh real ``Scheduler`` +
-``OffloadingConnector``: once with the guard installed through ``guards.plugin.register``
+``OffloadingConnector``: once with the guard installed through ``kvguard.guards.plugin.register``
 and once after ``OffloadGuardInstrumentor().uninstall()`` restored vLLM's code. The
 order alternates between repetitions (interleaved), so drift of a shared machine hits
 both sides. The measured time of a step is ``schedule()`` + ``update_from_output()``
@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from guards.replay.trace import Geometry, Segment, Trace, TraceRequest  # noqa: E402
+from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest  # noqa: E402
 
 GEOMETRY = Geometry(
     tokens_per_block=32,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_trace:
         Path(args.write_trace).write_text(trace.dumps(), encoding="utf-8")
 
-    from guards.replay import harness
+    from kvguard.guards.replay import harness
 
     steps: dict[bool, list[float]] = {True: [], False: []}
     per_rep: dict[bool, list[list[float]]] = {True: [], False: []}

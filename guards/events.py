@@ -2,11 +2,11 @@
 
 kvguard is a guest inside vLLM, so it never calls ``structlog.configure``: the logger is
 built with ``structlog.wrap_logger(..., processors=[...])``, whose explicit chain wins over
-any global configuration. One function per event; keys come from :mod:`guards.names`.
+any global configuration. One function per event; keys come from :mod:`kvguard.guards.names`.
 
 The ``_sanitize`` processor keeps numbers, booleans and short strings, replaces
 containers by ``"<list len=N>"`` and objects by their type name, drops any key in
-:data:`guards.names.REDACTED_KEYS` (prompt text, token ids) and kvguard's own ``@``
+:data:`kvguard.guards.names.REDACTED_KEYS` (prompt text, token ids) and kvguard's own ``@``
 temporaries, and truncates long strings: prompt tokens never reach a log line.
 
 :func:`capture` collects event dicts (after sanitizing) for tests, as
@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from guards import names
+from kvguard.guards import names
 
 __all__ = [
     "check_failed",

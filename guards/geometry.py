@@ -16,8 +16,8 @@ import sys
 
 import click
 
-from guards import invariants
-from guards.instrumentor import installed_vllm_version
+from kvguard.guards import invariants
+from kvguard.guards.instrumentor import installed_vllm_version
 
 __all__ = ["check_geometry", "tripping_remainders", "EXIT_SAFE", "EXIT_WOULD_CRASH", "EXIT_BAD_ARGS"]
 
@@ -37,7 +37,7 @@ def tripping_remainders(
 
     For ``num_cached_tokens >= sliding_window + extra_retained`` the pending blocks of a
     load depend only on ``num_cached_tokens % tokens_per_block`` (brute force over one
-    block of counts with :func:`guards.invariants.swa_pending_blocks`); below the window
+    block of counts with :func:`kvguard.guards.invariants.swa_pending_blocks`); below the window
     they never exceed ``cdiv(sliding_window, tokens_per_block)``. Returns the smallest
     tripping count (0 if none) and the sorted tripping remainders.
     """

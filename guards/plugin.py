@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: ``kvguard = guards.plugin:register``.
+"""The ``vllm.general_plugins`` entry point: ``kvguard = kvguard.guards.plugin:register``.
 
 vLLM calls :func:`register` in every process it starts (API server, EngineCore, workers),
 possibly more than once; it must be cheap and must never raise.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from guards import names
+from kvguard.guards import names
 
 __all__ = ["register"]
 
@@ -16,17 +16,17 @@ __all__ = ["register"]
 def register(settings: Any = None) -> bool:
     """Install kvguard in this process; True when the offload guards are installed.
 
-    ``settings``: a :class:`guards.settings.GuardSettings`; default
+    ``settings``: a :class:`kvguard.guards.settings.GuardSettings`; default
     ``GuardSettings.from_env()``. ``KVGUARD_DISABLE=1`` -> nothing is installed. A bad
     setting (``KVGUARD_POLICY=bogus``) logs ``plugin_disabled`` with the reason and
     installs nothing. With ``KVGUARD_STATE_DIR`` set, also installs the fatal-exception
-    recorder (``guards.fatal.install(settings)``). Never raises.
+    recorder (``kvguard.guards.fatal.install(settings)``). Never raises.
     """
     try:
-        from guards import events
+        from kvguard.guards import events
 
         if settings is None:
-            from guards.settings import GuardSettings
+            from kvguard.guards.settings import GuardSettings
 
             try:
                 settings = GuardSettings.from_env()
@@ -36,7 +36,7 @@ def register(settings: Any = None) -> bool:
         if settings.disable:
             events.plugin_disabled(reason="KVGUARD_DISABLE=1")
             return False
-        from guards.instrumentor import OffloadGuardInstrumentor
+        from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 
         instrumentor = OffloadGuardInstrumentor()
         installed = instrumentor.install(settings) or instrumentor.is_installed
@@ -44,16 +44,16 @@ def register(settings: Any = None) -> bool:
             try:
                 import importlib
 
-                fatal = importlib.import_module("guards.fatal")
+                fatal = importlib.import_module("kvguard.guards.fatal")
                 fatal.install(settings)
             except Exception as error:
-                from guards import runtime
+                from kvguard.guards import runtime
 
                 runtime.guard_error(names.STAGE_FATAL, error)
         return bool(installed)
     except Exception as error:  # pragma: no cover - last line of defence
         try:
-            from guards import runtime
+            from kvguard.guards import runtime
 
             runtime.guard_error(names.STAGE_INSTALL, error)
         except Exception:

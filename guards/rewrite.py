@@ -1,7 +1,7 @@
 """The assert -> check transformation (an AST pass modelled on pytest's assertion rewriting).
 
 Pure: works on (tree, source) and a list of :class:`SiteSpec`; imports no vLLM, no
-prometheus_client, no structlog. :mod:`guards.instrumentor` compiles what this returns
+prometheus_client, no structlog. :mod:`kvguard.guards.instrumentor` compiles what this returns
 and swaps the code of the existing vLLM function objects.
 
 Algorithm (:class:`SiteRewriter`): for one top-level function (``func`` or

@@ -1,8 +1,8 @@
 """The policy decision of every rewritten check site, plus in-process counters.
 
-Rewritten vLLM code (see :mod:`guards.rewrite`) reaches this module through names that
+Rewritten vLLM code (see :mod:`kvguard.guards.rewrite`) reaches this module through names that
 cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_locals``, ...), injected into
-the target module's globals by :mod:`guards.instrumentor`:
+the target module's globals by :mod:`kvguard.guards.instrumentor`:
 
 - a passing plain assert never reaches kvguard: it costs exactly vLLM's own assert (the
   test and one conditional jump);
@@ -12,7 +12,7 @@ the target module's globals by :mod:`guards.instrumentor`:
   calls :func:`check` on every evaluation, because the exact bound needs the geometry.
 
 So ``kvguard_check_evaluations_total{check}`` counts the checks of
-:data:`guards.names.EVALUATED_CHECKS` (``swa_pending_bound``, ``mamba_state_limit``),
+:data:`kvguard.guards.names.EVALUATED_CHECKS` (``swa_pending_bound``, ``mamba_state_limit``),
 one increment per evaluation; every other check is counted only when it fails, its
 evaluations series stays 0 and :func:`snapshot` reports its ``evaluated`` as None.
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from guards import invariants, names
-from guards.sites import KIND_WINDOW, SITES
+from kvguard.guards import invariants, names
+from kvguard.guards.sites import KIND_WINDOW, SITES
 
 __all__ = [
     "StoreDropped",
@@ -127,8 +127,8 @@ def configure(
 ) -> dict[str, Any]:
     """Set the sinks and policy; returns the previous values (pass them back to restore).
 
-    ``metrics`` needs the methods of :class:`guards.metrics.GuardMetrics`, ``events`` those
-    of :mod:`guards.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
+    ``metrics`` needs the methods of :class:`kvguard.guards.metrics.GuardMetrics`, ``events`` those
+    of :mod:`kvguard.guards.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
     an unknown policy.
     """
     global _metrics, _events, _policy, _vllm_version
@@ -432,8 +432,8 @@ def drop_store(site_id: str, context: dict[str, Any]) -> None:
 def snapshot() -> dict[str, dict[str, int | None]]:
     """Per check name: ``{"evaluated", "tolerated", "violations", "max_pending_blocks", "bound"}``.
 
-    Every name of :data:`guards.names.CHECKS` is present. ``evaluated`` is an int for the
-    checks of :data:`guards.names.EVALUATED_CHECKS` (``swa_pending_bound``,
+    Every name of :data:`kvguard.guards.names.CHECKS` is present. ``evaluated`` is an int for the
+    checks of :data:`kvguard.guards.names.EVALUATED_CHECKS` (``swa_pending_bound``,
     ``mamba_state_limit``: counted on every evaluation) and None for every other check
     (``group_sizes_consistency`` and the generic ``*_assert`` checks): their passing
     evaluations are vLLM's own asserts and are not counted, so None says "not counted",

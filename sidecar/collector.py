@@ -36,7 +36,7 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from guards.statefile import FatalRecord
+from kvguard.guards.statefile import FatalRecord
 
 __all__ = [
     "ENGINE_FATAL",

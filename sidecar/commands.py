@@ -1,7 +1,7 @@
 """``kvguard sidecar`` and ``kvguard run``: flags -> config -> ``run_*()``.
 
 As uvicorn's ``main()``: each option maps one to one onto a config field (see
-:mod:`sidecar.config`); an option left out falls back to the ``KVGUARD_<FIELD>``
+:mod:`kvguard.sidecar.config`); an option left out falls back to the ``KVGUARD_<FIELD>``
 environment variable, then the field default. A bad value stops the command before
 anything starts, with exit status 2 and a message naming the setting, e.g.
 ``Error: invalid setting KVGUARD_PORT (--port): must be in 0..65535``.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from sidecar.config import ConfigError, SidecarConfig, SupervisorConfig, load
+from kvguard.sidecar.config import ConfigError, SidecarConfig, SupervisorConfig, load
 
 __all__ = ["run", "sidecar"]
 
@@ -54,8 +54,8 @@ def _load(cls: type, **given: object) -> object:
 def sidecar(**options: object) -> None:
     """Serve /metrics, /livez, /readyz, /status and /healthz for one vLLM server."""
     cfg = _load(SidecarConfig, **options)
-    from sidecar.app import run_sidecar
-    from sidecar.logconfig import configure_logging
+    from kvguard.sidecar.app import run_sidecar
+    from kvguard.sidecar.logconfig import configure_logging
 
     configure_logging(cfg.log_level, cfg.log_json)  # type: ignore[attr-defined]
     run_sidecar(cfg)  # type: ignore[arg-type]
@@ -111,8 +111,8 @@ def run(
     child's own status.
     """
     cfg = _load(SupervisorConfig, command=tuple(command) or None, **options)
-    from sidecar.logconfig import configure_logging
-    from sidecar.supervisor import run_supervisor
+    from kvguard.sidecar.logconfig import configure_logging
+    from kvguard.sidecar.supervisor import run_supervisor
 
     configure_logging(log_level, log_json)
     ctx.exit(run_supervisor(cfg))  # type: ignore[arg-type]

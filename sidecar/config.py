@@ -1,7 +1,7 @@
 """Settings of ``kvguard sidecar`` and ``kvguard run``: values, defaults, validation.
 
 As uvicorn's ``Config``: the values and their defaults live here, in one place; the app
-(:func:`sidecar.app.create_app`) and the supervisor (:func:`sidecar.supervisor.run_supervisor`)
+(:func:`kvguard.sidecar.app.create_app`) and the supervisor (:func:`kvguard.sidecar.supervisor.run_supervisor`)
 receive a config object and never read the environment themselves.
 
 Both configs are pydantic-settings models with the ``KVGUARD_`` environment prefix, so

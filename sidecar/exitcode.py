@@ -33,7 +33,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from guards.statefile import FatalRecord
+from kvguard.guards.statefile import FatalRecord
 
 __all__ = [
     "ENGINE_FATAL",

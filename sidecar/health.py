@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 import structlog
 
-from guards.statefile import FatalRecord, StateDir, read_fatal_records
+from kvguard.guards.statefile import FatalRecord, StateDir, read_fatal_records
 
 __all__ = [
     "EngineSnapshot",

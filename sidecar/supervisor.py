@@ -19,7 +19,7 @@ The loop, as tini's ``main``:
    are removed (prometheus-client's ``mark_process_dead``, as gunicorn's ``child_exit``).
 4. After the main child is reaped: the rest of its process group (orphaned EngineCore,
    workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record (if any)
-   is read; :func:`sidecar.exitcode.decide_exit` picks the status and the cause goes to
+   is read; :func:`kvguard.sidecar.exitcode.decide_exit` picks the status and the cause goes to
    the termination log.
 
 vLLM #48966 is why this exists: the API server exits 0 when EngineCore dies.
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import structlog
 
-from guards.statefile import FatalRecord, StateDir, read_fatal_records
-from sidecar.config import SupervisorConfig
-from sidecar.exitcode import Exit, decide_exit, signal_name
-from sidecar.termination import write_termination_message
+from kvguard.guards.statefile import FatalRecord, StateDir, read_fatal_records
+from kvguard.sidecar.config import SupervisorConfig
+from kvguard.sidecar.exitcode import Exit, decide_exit, signal_name
+from kvguard.sidecar.termination import write_termination_message
 
 __all__ = ["FORWARDED", "STOP_SIGNALS", "TICK", "Supervisor", "run_supervisor"]
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from guards.statefile import (
+from kvguard.guards.statefile import (
     MAX_MESSAGE_CHARS,
     MAX_RECORD_BYTES,
     FatalRecord,
@@ -130,7 +130,7 @@ def test_statefile_is_stdlib_only():
     import sys
     from pathlib import Path
 
-    import guards.statefile as mod
+    import kvguard.guards.statefile as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     imported = {

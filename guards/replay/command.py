@@ -2,7 +2,7 @@
 
 Exit status: 0 when the engine survived and every request finished; 1 otherwise
 (the engine died, a request waited forever, or the trace could not be loaded).
-With ``--json`` stdout carries exactly one JSON object (see :mod:`guards.replay.report`);
+With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.guards.replay.report`);
 vLLM's and kvguard's logs go to stderr.
 """
 
@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
+from kvguard.guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
 
 
 @click.command(name="replay")
@@ -40,7 +40,7 @@ def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
     # vLLM reads these when it is first imported: keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from guards.replay.trace import TraceError, load_trace
+    from kvguard.guards.replay.trace import TraceError, load_trace
 
     try:
         trace = load_trace(trace_ref)
@@ -48,7 +48,7 @@ def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
         click.echo(f"kvguard replay: {exc}", err=True)
         sys.exit(1)
 
-    from guards.replay import harness, report
+    from kvguard.guards.replay import harness, report
 
     progress = None
     if not as_json:

@@ -8,10 +8,10 @@ What is real and what is simulated:
   ``kv_transfer_config`` (``kv_connector="OffloadingConnector"``, scheduler role) with
   vLLM's own CPU offloading spec and manager (``cpu_bytes_to_use``, LRU), the
   ``VllmConfig`` built from a tiny local ``config.json`` (no hub, ``skip_tokenizer_init``);
-- simulated: the GPU side (:class:`guards.replay.worker.SimulatedWorker`).
+- simulated: the GPU side (:class:`kvguard.guards.replay.worker.SimulatedWorker`).
 
 The guard is installed through the plugin's own entry point,
-:func:`guards.plugin.register`, before any vLLM offload module is imported, exactly as
+:func:`kvguard.guards.plugin.register`, before any vLLM offload module is imported, exactly as
 vLLM's ``load_general_plugins()`` would call it inside EngineCore.
 
 An exception escaping ``schedule()`` or ``update_from_output()`` is what kills
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
-from guards.replay.worker import SimulatedWorker
+from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
+from kvguard.guards.replay.worker import SimulatedWorker
 
 #: Steps without any scheduled token, finished request or arrival before a replay stops.
 STALL_STEPS = 64
@@ -83,7 +83,7 @@ def vllm_version() -> str:
     Raises:
         RuntimeError: no vLLM is installed (kvguard replay needs a .venvs/vllm-* environment).
     """
-    from guards.instrumentor import installed_vllm_version
+    from kvguard.guards.instrumentor import installed_vllm_version
 
     version = installed_vllm_version()
     if version is None:
@@ -98,13 +98,13 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def install_guard(policy: str) -> bool:
-    """Install the offload guards the way vLLM loads the plugin (``guards.plugin.register``).
+    """Install the offload guards the way vLLM loads the plugin (``kvguard.guards.plugin.register``).
 
     Returns what ``register`` returns: True when the guards are installed in this process.
     """
-    from guards import plugin
-    from guards.instrumentor import OffloadGuardInstrumentor
-    from guards.settings import GuardSettings
+    from kvguard.guards import plugin
+    from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+    from kvguard.guards.settings import GuardSettings
 
     os.environ.pop("KVGUARD_DISABLE", None)
     installed = plugin.register(GuardSettings(policy=policy))
@@ -113,8 +113,8 @@ def install_guard(policy: str) -> bool:
 
 def uninstall_guard() -> None:
     """Restore vLLM's original code if this process installed the guard (bench, tests)."""
-    if "guards.instrumentor" in sys.modules:
-        from guards.instrumentor import OffloadGuardInstrumentor
+    if "kvguard.guards.instrumentor" in sys.modules:
+        from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 
         inst = OffloadGuardInstrumentor()
         if inst.is_installed:
@@ -468,7 +468,7 @@ def run_replay(
     )
     if guard:
         result.guard_installed = install_guard(policy)
-        from guards import runtime
+        from kvguard.guards import runtime
 
         runtime.reset()
     else:
@@ -550,7 +550,7 @@ def run_replay(
         result.wall_s = time.perf_counter() - t_start
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
     if guard:
-        from guards import runtime
+        from kvguard.guards import runtime
 
         result.checks = runtime.snapshot()
     return result

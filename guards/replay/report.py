@@ -1,4 +1,4 @@
-"""Turn a :class:`~guards.replay.harness.ReplayResult` into the ``--json`` object or a short text.
+"""Turn a :class:`~kvguard.guards.replay.harness.ReplayResult` into the ``--json`` object or a short text.
 
 The ``--json`` object (one line, one object, nothing else on stdout)::
 
@@ -21,7 +21,7 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
      "cpu_chunks": 2048, "pending_store_keys": 0}
 
 ``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
-``checks`` is :func:`guards.runtime.snapshot` after the replay (empty without the
+``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
 guard). ``swa_window`` compares the sliding-window GPU block ids the worker received in
 the load spec with the blocks of the window in the real KV cache manager: the window
 is GPU blocks ``[(num_cached_tokens - sliding_window + 1) // tokens_per_block,
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from guards.replay.harness import ReplayResult
-from guards.replay.trace import Geometry
+from kvguard.guards.replay.harness import ReplayResult
+from kvguard.guards.replay.trace import Geometry
 
 SWA_GROUP = 1  # the sliding-window KV cache group (group 0 is full attention)
 

@@ -268,7 +268,7 @@ def load_trace(name_or_path: str) -> Trace:
     Raises :class:`TraceError` for an unknown name, a missing file or a malformed trace.
     """
     if name_or_path in BUILTIN_TRACES:
-        ref = resources.files("guards.replay").joinpath("traces", BUILTIN_TRACES[name_or_path])
+        ref = resources.files("kvguard.guards.replay").joinpath("traces", BUILTIN_TRACES[name_or_path])
         return parse_trace(ref.read_text(encoding="utf-8").splitlines(), source=name_or_path)
     path = Path(name_or_path)
     if not path.is_file():

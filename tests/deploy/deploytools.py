@@ -104,11 +104,11 @@ def metric_names(expr: str) -> set[str]:
 
 
 def kvguard_exposed_names() -> set[str]:
-    """Every series name kvguard's exporter can expose, from guards.names (the contract).
+    """Every series name kvguard's exporter can expose, from kvguard.guards.names (the contract).
 
     Histograms expand to _bucket/_sum/_count; counters are already spelled with _total.
     """
-    from guards import names
+    from kvguard.guards import names
 
     out: set[str] = set()
     histograms = {names.METRIC_SWA_PENDING_BOUND_RATIO}  # docs/ARCHITECTURE.md: the one histogram

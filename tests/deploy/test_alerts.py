@@ -70,7 +70,7 @@ def test_rules_name_only_metrics_the_exporter_produces():
     exposed = kvguard_exposed_names()
     for rule in _rules():
         for name in metric_names(rule["expr"]):
-            assert name in exposed, f"{rule['alert']}: {name} is not in guards.names"
+            assert name in exposed, f"{rule['alert']}: {name} is not in kvguard.guards.names"
 
 
 def test_every_alert_has_firing_and_not_firing_unit_tests():
@@ -123,7 +123,7 @@ def test_unit_tests_pin_the_severity(tmp_path, alert):
 def test_runbooks_name_real_dashboard_panels_and_status_fields():
     import json as _json
 
-    from sidecar.app import StatusResponse
+    from kvguard.sidecar.app import StatusResponse
 
     titles = {p["title"] for p in _json.loads((DASHBOARDS / "kvguard.json").read_text())["panels"]}
     top = StatusResponse.model_fields

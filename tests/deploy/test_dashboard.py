@@ -177,18 +177,18 @@ def test_grid_positions_do_not_overlap():
 
 
 def test_every_kvguard_metric_used_is_in_a_real_sidecar_scrape(tmp_path):
-    """Write the engine side's metric files with the real exporter (guards.metrics, as the
+    """Write the engine side's metric files with the real exporter (kvguard.guards.metrics, as the
     plugin does inside EngineCore), serve them with the real sidecar app
-    (sidecar.app.create_app), scrape /metrics in process, and compare names: every kvguard_*
+    (kvguard.sidecar.app.create_app), scrape /metrics in process, and compare names: every kvguard_*
     series the dashboard or the alert rules name must be in the scrape."""
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
-    from guards.metrics import GuardMetrics
-    from sidecar.app import create_app
-    from sidecar.config import SidecarConfig
+    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.sidecar.app import create_app
+    from kvguard.sidecar.config import SidecarConfig
 
-    from guards.sites import SITE_IDS
+    from kvguard.guards.sites import SITE_IDS
 
     metrics = GuardMetrics(state_dir=tmp_path)  # pre-creates the check/stage series at 0
     site = sorted(SITE_IDS)[0]

@@ -196,7 +196,7 @@ def test_termination_messages_and_grace():
     for name in ("vllm", "kvguard"):
         assert container(name)["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert container("vllm")["terminationMessagePath"] == "/dev/termination-log"
-    from sidecar.config import SupervisorConfig
+    from kvguard.sidecar.config import SupervisorConfig
 
     # kvguard run's own SIGTERM -> SIGKILL grace must end before the kubelet's
     assert pod()["terminationGracePeriodSeconds"] > SupervisorConfig.model_fields["grace"].default
@@ -226,8 +226,8 @@ def test_sidecar_security_context_and_resources():
 
 
 def test_sidecar_env_names_are_real_settings():
-    from guards.settings import GuardSettings
-    from sidecar.config import SidecarConfig
+    from kvguard.guards.settings import GuardSettings
+    from kvguard.sidecar.config import SidecarConfig
 
     for var in env(container("kvguard")):
         assert var.startswith("KVGUARD_") and var[8:].lower() in SidecarConfig.model_fields, var

@@ -21,7 +21,7 @@ from e2etools import VLLM_SERVER, wait_for
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.exitcode import ENGINE_FATAL
+from kvguard.sidecar.exitcode import ENGINE_FATAL
 
 pytestmark = pytest.mark.vllm_server
 

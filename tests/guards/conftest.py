@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guards import runtime
-from guards.instrumentor import OffloadGuardInstrumentor
-from guards.metrics import GuardMetrics
+from kvguard.guards import runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.metrics import GuardMetrics
 
 
 @pytest.fixture(autouse=True)

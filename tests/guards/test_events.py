@@ -1,4 +1,4 @@
-"""guards.events: one sanitized JSON line per event, on a private structlog chain."""
+"""kvguard.guards.events: one sanitized JSON line per event, on a private structlog chain."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import structlog
 
-from guards import events
+from kvguard.guards import events
 
 
 class Request:

@@ -7,24 +7,33 @@ import sys
 
 
 def imported_after(code: str) -> set[str]:
+    # cwd=/ : from the repository root, `python -c` would find the folders guards/ and
+    # sidecar/ as top-level packages, which an installed kvguard never provides.
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, cwd="/",
     ).stdout
     return set(out.split())
 
 
 def test_pure_modules_import_no_vllm():
-    mods = imported_after("import guards.invariants, guards.names, guards.rewrite, guards.sites")
+    mods = imported_after("import kvguard.guards.invariants, kvguard.guards.names, kvguard.guards.rewrite, kvguard.guards.sites")
     assert "vllm" not in mods
     assert not {m for m in mods if m.split(".")[0] in {"prometheus_client", "structlog", "pydantic", "packaging"}}
 
 
 def test_plugin_package_import_is_free():
-    mods = imported_after("import guards, guards.plugin")
-    assert "vllm" not in mods and "guards.instrumentor" not in mods
+    mods = imported_after("import kvguard.guards, kvguard.guards.plugin")
+    assert "vllm" not in mods and "kvguard.guards.instrumentor" not in mods
+
+
+def test_no_top_level_guards_or_sidecar_module():
+    """Issue 11: everything lives under ``kvguard.``; no bare ``guards``/``sidecar`` names."""
+    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.runtime, kvguard.sidecar.cli")
+    assert {"kvguard.guards.runtime", "kvguard.sidecar.cli"} <= mods
+    assert not {m for m in mods if m.split(".")[0] in {"guards", "sidecar"}}
 
 
 def test_geometry_command_imports_no_vllm():
-    mods = imported_after("import guards.geometry")
+    mods = imported_after("import kvguard.guards.geometry")
     assert "vllm" not in mods

@@ -8,11 +8,11 @@ import sys
 import pytest
 import wrapt
 
-from guards import events, names, runtime
-from guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
-from guards.rewrite import INJECTED_GLOBALS
-from guards.settings import GuardSettings
-from guards.sites import (
+from kvguard.guards import events, names, runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
+from kvguard.guards.rewrite import INJECTED_GLOBALS
+from kvguard.guards.settings import GuardSettings
+from kvguard.guards.sites import (
     SITE_GROUP_SIZES_INDICES,
     SITE_GROUP_SIZES_SUM,
     SITE_IDS,

@@ -1,4 +1,4 @@
-"""guards.metrics: multiprocess files in an explicit dir (after client_python's test_multiprocess.py)."""
+"""kvguard.guards.metrics: multiprocess files in an explicit dir (after client_python's test_multiprocess.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from guards import names
-from guards.metrics import GuardMetrics, get_metrics
-from guards.sites import SITE_SWA_PENDING_BOUND
+from kvguard.guards import names
+from kvguard.guards.metrics import GuardMetrics, get_metrics
+from kvguard.guards.sites import SITE_SWA_PENDING_BOUND
 
 
 def scrape(path) -> CollectorRegistry:

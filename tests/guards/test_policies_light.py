@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from guards import events, names, runtime
-from guards.instrumentor import OffloadGuardInstrumentor
-from guards.settings import GuardSettings
-from guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
+from kvguard.guards import events, names, runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.settings import GuardSettings
+from kvguard.guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
 
 import fakevllm
 from guardtools import sample

@@ -10,10 +10,10 @@ import traceback
 
 import pytest
 
-from guards import events, runtime
-from guards.hook import GuardFinder
-from guards.instrumentor import OffloadGuardInstrumentor, _injected_globals
-from guards.rewrite import (
+from kvguard.guards import events, runtime
+from kvguard.guards.hook import GuardFinder
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _injected_globals
+from kvguard.guards.rewrite import (
     INJECTED_GLOBALS,
     KIND_ASSERT,
     KIND_STORE_CALL,
@@ -24,8 +24,8 @@ from guards.rewrite import (
     normalize_assert,
     rewrite_function,
 )
-from guards.settings import GuardSettings
-from guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND, SITES_BY_ID
+from kvguard.guards.settings import GuardSettings
+from kvguard.guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND, SITES_BY_ID
 
 import fakevllm
 

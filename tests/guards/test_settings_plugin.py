@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from guards import events, names, runtime
-from guards.instrumentor import OffloadGuardInstrumentor
-from guards.plugin import register
-from guards.settings import GuardSettings
+from kvguard.guards import events, names, runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.plugin import register
+from kvguard.guards.settings import GuardSettings
 
 import fakevllm
 
@@ -63,9 +63,9 @@ def test_register_disable(monkeypatch):
 
 def test_register_installs_and_calls_fatal_install(tmp_path, monkeypatch):
     calls = []
-    fake_fatal = types.ModuleType("guards.fatal")
+    fake_fatal = types.ModuleType("kvguard.guards.fatal")
     fake_fatal.install = calls.append
-    monkeypatch.setitem(sys.modules, "guards.fatal", fake_fatal)
+    monkeypatch.setitem(sys.modules, "kvguard.guards.fatal", fake_fatal)
     settings = GuardSettings(state_dir=tmp_path / "state", policy="observe")
     with fakevllm.fake_vllm(tmp_path):
         assert register(settings) is True
@@ -76,13 +76,13 @@ def test_register_installs_and_calls_fatal_install(tmp_path, monkeypatch):
 
 
 def test_register_counts_a_failing_fatal_install(tmp_path, monkeypatch):
-    fake_fatal = types.ModuleType("guards.fatal")
+    fake_fatal = types.ModuleType("kvguard.guards.fatal")
 
     def install(settings):
         raise OSError("read-only state dir")
 
     fake_fatal.install = install
-    monkeypatch.setitem(sys.modules, "guards.fatal", fake_fatal)
+    monkeypatch.setitem(sys.modules, "kvguard.guards.fatal", fake_fatal)
     errors = []
     with fakevllm.fake_vllm(tmp_path):
         monkeypatch.setattr(runtime, "guard_error", lambda stage, error: errors.append(stage))
@@ -92,4 +92,4 @@ def test_register_counts_a_failing_fatal_install(tmp_path, monkeypatch):
 
 def test_entry_point_is_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert "guards.plugin:register" in {ep.value for ep in eps if ep.name == "kvguard"}
+    assert "kvguard.guards.plugin:register" in {ep.value for ep in eps if ep.name == "kvguard"}

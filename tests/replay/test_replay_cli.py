@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from guards import names
+from kvguard.guards import names
 
 pytestmark = pytest.mark.vllm
 

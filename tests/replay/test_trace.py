@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from guards.replay.trace import (
+from kvguard.guards.replay.trace import (
     BUILTIN_TRACES,
     DEFAULT_TRACE,
     TraceError,
@@ -117,7 +117,7 @@ def test_replay_modules_import_without_vllm() -> None:
     import subprocess
 
     code = (
-        "import sys, guards.replay.trace, guards.replay.report, guards.replay.command;"
+        "import sys, kvguard.guards.replay.trace, kvguard.guards.replay.report, kvguard.guards.replay.command;"
         "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'torch'))];"
         "assert not bad, bad"
     )

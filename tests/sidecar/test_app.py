@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sidecartools import FakeVllm, busy_wait, free_port
 
-from guards.statefile import FatalRecord, StateDir, write_fatal_record
-from sidecar.app import create_app
-from sidecar.config import SidecarConfig
+from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.sidecar.app import create_app
+from kvguard.sidecar.config import SidecarConfig
 
 
 @pytest.fixture

@@ -9,17 +9,17 @@ import sys
 
 from pathlib import Path
 
-import sidecar.app
+import kvguard.sidecar.app
 
 
 def test_no_sidecar_module_imports_vllm():
-    modules = sorted(f"sidecar.{m.name}" for m in pkgutil.iter_modules([str(Path(sidecar.app.__file__).parent)]))
-    assert {"sidecar.app", "sidecar.supervisor", "sidecar.commands", "sidecar.collector"} <= set(modules)
+    modules = sorted(f"kvguard.sidecar.{m.name}" for m in pkgutil.iter_modules([str(Path(kvguard.sidecar.app.__file__).parent)]))
+    assert {"kvguard.sidecar.app", "kvguard.sidecar.supervisor", "kvguard.sidecar.commands", "kvguard.sidecar.collector"} <= set(modules)
     code = (
         "import importlib, json, sys\n"
-        f"mods = {modules + ['guards.statefile', 'guards.invariants']!r}\n"
+        f"mods = {modules + ['kvguard.guards.statefile', 'kvguard.guards.invariants']!r}\n"
         "for m in mods: importlib.import_module(m)\n"
-        "from sidecar.cli import main\n"
+        "from kvguard.sidecar.cli import main\n"
         "for name in ('sidecar', 'run'): main.get_command(None, name)\n"
         "print(json.dumps(sorted(k for k in sys.modules if k == 'vllm' or k.startswith(('vllm.', 'torch')))))\n"
     )

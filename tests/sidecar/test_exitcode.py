@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from guards.statefile import FatalRecord
-from sidecar.exitcode import ENGINE_FATAL, EXEC_NOT_EXECUTABLE, EXEC_NOT_FOUND, decide_exit
+from kvguard.guards.statefile import FatalRecord
+from kvguard.sidecar.exitcode import ENGINE_FATAL, EXEC_NOT_EXECUTABLE, EXEC_NOT_FOUND, decide_exit
 
 FATAL = FatalRecord("AssertionError", "bound", "swa_pending_bound", 1.0, 77, "0.25.1", "running")
 

@@ -12,16 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from guards.statefile import StateDir, read_fatal_records
-from sidecar.collector import StateDirCollector
+from kvguard.guards.statefile import StateDir, read_fatal_records
+from kvguard.sidecar.collector import StateDirCollector
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
 def recorder(tmp_path):
-    from guards import fatal
-    from guards.settings import GuardSettings
+    from kvguard.guards import fatal
+    from kvguard.guards.settings import GuardSettings
 
     assert fatal.install(GuardSettings(state_dir=tmp_path)) is True
     assert fatal.install(GuardSettings(state_dir=tmp_path)) is True  # idempotent
@@ -91,7 +91,7 @@ def test_no_exception_no_record(recorder):
 def test_uninstall_restores_vllm(recorder):
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-    from guards import fatal
+    from kvguard.guards import fatal
 
     import wrapt
 

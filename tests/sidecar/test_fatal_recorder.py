@@ -10,26 +10,26 @@ import subprocess
 
 import pytest
 
-from guards.statefile import StateDir, read_fatal_records
-from sidecar.collector import StateDirCollector
+from kvguard.guards.statefile import StateDir, read_fatal_records
+from kvguard.sidecar.collector import StateDirCollector
 
 
 @pytest.fixture
 def fatal():
-    from guards import fatal as mod
+    from kvguard.guards import fatal as mod
 
     yield mod
     mod.uninstall()
 
 
 def settings(path):
-    from guards.settings import GuardSettings
+    from kvguard.guards.settings import GuardSettings
 
     return GuardSettings(state_dir=path)
 
 
 def test_without_a_state_dir_nothing_is_installed(fatal):
-    from guards.settings import GuardSettings
+    from kvguard.guards.settings import GuardSettings
 
     assert fatal.install(GuardSettings(state_dir=None)) is False
     assert fatal.record_exception(RuntimeError("x")) is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.health import EngineState, EngineTracker, Probe
+from kvguard.sidecar.health import EngineState, EngineTracker, Probe
 
 UP = Probe(200, True, None, 1.0)
 UP_NOT_READY = Probe(200, False, None, 1.0)

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from guards.statefile import FatalRecord, StateDir, write_fatal_record
-from sidecar.exitcode import ENGINE_FATAL
+from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.sidecar.exitcode import ENGINE_FATAL
 
 from sidecartools import busy_wait
 
 LOOP = textwrap.dedent(
     """
     import json, sys
-    from sidecar.config import SupervisorConfig
-    from sidecar.supervisor import Supervisor
+    from kvguard.sidecar.config import SupervisorConfig
+    from kvguard.sidecar.supervisor import Supervisor
     out = {}
     for n in range(256):
         cfg = SupervisorConfig(command=("sh", "-c", f"exit {n}"), termination_log="/nonexistent/t")
@@ -117,7 +117,7 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     # The child plays EngineCore: it writes a fatal record into the exported state dir,
     # then exits 0 the way vLLM's API server does (#48966).
     writer = (
-        "import os; from guards.statefile import *; "
+        "import os; from kvguard.guards.statefile import *; "
         "write_fatal_record(StateDir(__import__('pathlib').Path(os.environ['KVGUARD_STATE_DIR'])), "
         "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', 1.0, os.getpid(), '0.25.1', 'running'))"
     )

@@ -14,12 +14,12 @@ import pytest
 import wrapt
 from prometheus_client import CollectorRegistry
 
-from guards import runtime
-from guards.instrumentor import OffloadGuardInstrumentor, _resolve, installed_vllm_version
-from guards.metrics import GuardMetrics
-from guards.rewrite import INJECTED_GLOBALS
-from guards.settings import GuardSettings
-from guards.sites import (
+from kvguard.guards import runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _resolve, installed_vllm_version
+from kvguard.guards.metrics import GuardMetrics
+from kvguard.guards.rewrite import INJECTED_GLOBALS
+from kvguard.guards.settings import GuardSettings
+from kvguard.guards.sites import (
     KIND_WRAP_INIT,
     SITE_GROUP_SIZES_SUM,
     SITE_SWA_PENDING_BOUND,
@@ -179,15 +179,15 @@ def test_import_time_install_through_the_plugin(tmp_path):
     """The plugin loads before vLLM imports its connector: the hook instruments at import."""
     code = f"""
 import json, sys
-from guards.plugin import register
-from guards.settings import GuardSettings
+from kvguard.guards.plugin import register
+from kvguard.guards.settings import GuardSettings
 assert register(GuardSettings(state_dir={str(tmp_path)!r}))
 assert {list(TARGET_MODULES)!r}[0] not in sys.modules
 import importlib
 import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as s
 for name in {existing_targets()!r}:
     importlib.import_module(name)
-from guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 st = OffloadGuardInstrumentor().site_status()
 print(json.dumps({{"installed": sum(v == "installed" for v in st.values()),
                   "loader": type(s.__spec__.loader).__name__,

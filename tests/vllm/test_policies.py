@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guards import events, runtime
-from guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
-from guards.metrics import GuardMetrics
-from guards.settings import GuardSettings
-from guards.sites import SITE_GROUP_SIZES_SUM, SITE_SWA_PENDING_BOUND
+from kvguard.guards import events, runtime
+from kvguard.guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
+from kvguard.guards.metrics import GuardMetrics
+from kvguard.guards.settings import GuardSettings
+from kvguard.guards.sites import SITE_GROUP_SIZES_SUM, SITE_SWA_PENDING_BOUND
 
 from guards_vllm_stubs import PastTheWindowCheck, load_call
 

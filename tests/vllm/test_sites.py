@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from guards.instrumentor import installed_vllm_version
-from guards.rewrite import KIND_STORE_CALL, find_function, iter_asserts, normalize_statement
-from guards.sites import KIND_WRAP_INIT, SITES, TARGET_MODULES, site_in_range
+from kvguard.guards.instrumentor import installed_vllm_version
+from kvguard.guards.rewrite import KIND_STORE_CALL, find_function, iter_asserts, normalize_statement
+from kvguard.guards.sites import KIND_WRAP_INIT, SITES, TARGET_MODULES, site_in_range
 
 pytestmark = pytest.mark.vllm
 

@@ -9,7 +9,7 @@ guarded one).
    does (``vllm/v1/engine/core.py``) before it builds the scheduler and its KV
    connector. vLLM's unit tests build ``Scheduler`` and ``OffloadingConnector`` directly
    and never reach that call, so without it no ``vllm.general_plugins`` entry point
-   (kvguard's ``guards.plugin:register`` among them) would run in the pytest process.
+   (kvguard's ``kvguard.guards.plugin:register`` among them) would run in the pytest process.
    It runs before vLLM's ``tests/conftest.py`` is imported (that conftest imports
    ``vllm.LLM``, which pulls in the offload scheduler), so kvguard sees the offload
    modules imported after it, as in a real engine. The same call happens in the plain
@@ -17,12 +17,12 @@ guarded one).
    vLLM's own general plugins (the LoRA resolvers) load identically in both runs.
 2. ``pytest_sessionfinish`` writes a JSON report to ``$KVSUITE_REPORT``:
    ``{"pid", "general_plugins": [entry point names], "kvguard_env": {KVGUARD_* vars},
-   "kvguard_modules": [guards.* modules imported], "snapshot": guards.runtime.snapshot()
+   "kvguard_modules": [kvguard.guards.* modules imported], "snapshot": kvguard.guards.runtime.snapshot()
    or null, "metrics": [{"name", "labels", "value"}] or null, "errors": [str]}``.
    ``metrics`` are the ``kvguard_*`` samples of ``$KVGUARD_STATE_DIR/metrics``, read with
    ``prometheus_client.multiprocess.MultiProcessCollector`` (every process of the run,
    summed as the sidecar sums them). The plugin never imports ``guards`` itself: the
-   snapshot is taken only if kvguard's plugin already imported ``guards.runtime``.
+   snapshot is taken only if kvguard's plugin already imported ``kvguard.guards.runtime``.
 
 It changes no test, no fixture and no vLLM code.
 """
@@ -86,7 +86,7 @@ def _platform() -> dict[str, object]:
 
 
 def _snapshot() -> dict[str, object] | None:
-    runtime = sys.modules.get("guards.runtime")
+    runtime = sys.modules.get("kvguard.guards.runtime")
     if runtime is None or not hasattr(runtime, "snapshot"):
         return None
     return runtime.snapshot()
@@ -100,7 +100,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "pid": os.getpid(),
         "general_plugins": _general_plugins,
         "kvguard_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVGUARD_")},
-        "kvguard_modules": sorted(m for m in sys.modules if m == "guards" or m.startswith("guards.")),
+        "kvguard_modules": sorted(m for m in sys.modules if m == "kvguard.guards" or m.startswith("kvguard.guards.")),
         "platform": None,
         "snapshot": None,
         "metrics": None,
