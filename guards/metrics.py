@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.sites import SITE_IDS
+from kvguard.guards.sites import known_site_ids
 
 __all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTIPROCESS_MODE"]
 
@@ -235,7 +235,7 @@ class GuardMetrics:
 
     def site_installed(self, site: str, installed: bool) -> None:
         """Set ``kvguard_site_installed{site}`` to 1 or 0; ValueError for an unknown site."""
-        _validate(site, SITE_IDS, "site")
+        _validate(site, known_site_ids(), "site")
         self._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: site}, 1.0 if installed else 0.0)
 
     def engine_fatal(self, exception: str) -> None:

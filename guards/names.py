@@ -2,7 +2,8 @@
 
 Every Prometheus label value and every event key kvguard emits comes from a set in
 this module, so a dashboard or alert can enumerate them. Site ids (the ``site`` label
-of ``kvguard_site_installed``) are the keys of :data:`kvguard.guards.sites.SITE_IDS`.
+of ``kvguard_site_installed``) are discovered from the installed vLLM's source
+(:func:`kvguard.guards.sites.known_site_ids`): one per assert in scope.
 """
 
 from __future__ import annotations

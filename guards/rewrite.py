@@ -70,6 +70,7 @@ __all__ = [
     "normalize_statement",
     "fingerprint_id",
     "iter_asserts",
+    "iter_functions",
     "find_function",
     "rewrite_function",
     "extract_function_code",
@@ -134,6 +135,22 @@ def _iter_top_functions(
             yield prefix + node.name, node
         elif isinstance(node, ast.ClassDef):
             yield from _iter_top_functions(node.body, prefix + node.name + ".")
+
+
+def iter_functions(
+    tree: ast.Module,
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef, list[ast.ClassDef]]]:
+    """Yield ``(qualname, def, enclosing classes)`` for every module-level function and
+    (nested) class method, in source order; a redefined name yields each definition."""
+
+    def walk(body: Iterable[ast.stmt], prefix: str, classes: list[ast.ClassDef]):
+        for node in body:
+            if isinstance(node, _FUNC):
+                yield prefix + node.name, node, classes
+            elif isinstance(node, ast.ClassDef):
+                yield from walk(node.body, prefix + node.name + ".", [*classes, node])
+
+    yield from walk(tree.body, "", [])
 
 
 def iter_asserts(tree: ast.Module) -> Iterator[tuple[str, str, int]]:

@@ -48,7 +48,7 @@ from types import CodeType
 from typing import Any
 
 from kvguard.guards import invariants, names
-from kvguard.guards.sites import KIND_WINDOW, SITES
+from kvguard.guards.sites import KIND_WINDOW, Site
 
 __all__ = [
     "StoreDropped",
@@ -59,6 +59,8 @@ __all__ = [
     "last_failed_site",
     "suppressed",
     "configure",
+    "register",
+    "guard_errors",
 ]
 
 _NO_MSG: Any = object()
@@ -79,10 +81,28 @@ class _SiteRT:
     site_id: str
     check: str
     kind: str
+    #: the window site: vLLM's own bound expression, compiled, and the module's globals
+    bound_code: CodeType | None = None
+    module_globals: dict[str, Any] | None = None
+    #: the window site: the local name of the pending GPU blocks (the assert's left side)
+    pending_name: str | None = None
 
 
-#: site id -> runtime info.
-_SITE_RT: dict[str, _SiteRT] = {s.site_id: _SiteRT(s.site_id, s.check, s.kind) for s in SITES}
+#: site id -> runtime info (filled by :func:`register` as modules are instrumented).
+_SITE_RT: dict[str, _SiteRT] = {}
+
+
+def register(sites: list[Site], module_globals: dict[str, Any] | None = None) -> None:
+    """Make discovered ``sites`` known to :func:`check` (called by the instrumentor before
+    it swaps in rewritten code). For the window site, vLLM's own bound expression
+    (:attr:`Site.bound_expr`) is compiled once, to be evaluated on the frame's locals:
+    ``vllm_bound`` is what the installed release asserts, never a version cutoff."""
+    for site in sites:
+        code = None
+        if site.kind == KIND_WINDOW and site.bound_expr:
+            code = compile(site.bound_expr, f"<vllm bound of {site.site_id}>", "eval")
+        pending = site.pending_expr if site.pending_expr and site.pending_expr.isidentifier() else None
+        _SITE_RT[site.site_id] = _SiteRT(site.site_id, site.check, site.kind, code, module_globals, pending)
 
 _lock = threading.Lock()
 _evals: dict[str, int] = {}
@@ -90,6 +110,7 @@ _tolerated: dict[str, int] = {}
 _violations: dict[str, int] = {}
 _max_pending: dict[str, int] = {}
 _bound: dict[str, int] = {}
+_guard_errors: dict[str, int] = {}
 _last_failed_site: str | None = None
 _suppress_depth = 0
 
@@ -203,6 +224,7 @@ def _count_tolerated(check_name: str) -> None:
 
 def guard_error(stage: str, error: BaseException) -> None:
     """Count and log an exception raised inside kvguard code; never raises."""
+    _guard_errors[stage] = _guard_errors.get(stage, 0) + 1
     try:
         _metrics.guard_error(stage)
     except Exception:  # pragma: no cover - last line of defence
@@ -265,53 +287,57 @@ def _called_from_store_builder() -> bool:
     return frame.f_code in STORE_BUILDER_CODES
 
 
-def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int, int, int] | None:
-    """(kind, sliding_window, tokens_per_block, blocks_per_chunk, extra, vllm_window_chunks) or None.
+def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int | None, int] | None:
+    """(kind, sliding_window, tokens_per_block, blocks_per_chunk, extra_retained_tokens) or None.
 
-    Reads vLLM's own locals of ``update_state_after_alloc``: ``group_config`` (0.21-0.26:
-    ``gpu_block_size`` / ``sliding_window_size_in_blocks``; 0.33: ``tokens_per_block`` /
-    ``sliding_window_size_in_chunks`` / ``kv_cache_spec``) and ``self.config``
-    (``block_size_factor`` / ``blocks_per_chunk``). Older releases do not keep the
-    KV cache spec on the group config; the instrumentor records it on the scheduler
-    (``_kvguard_kv_specs``) when the scheduler is constructed.
+    The group's KV cache spec comes from vLLM's own locals of the window site:
+    ``group_config.kv_cache_spec`` where the release keeps it there, else the spec the
+    instrumentor recorded on the scheduler (``self._kvguard_kv_specs[group_idx]``, bound
+    by signature at construction). ``sliding_window`` and ``tokens_per_block``
+    (``spec.block_size``, the GPU block) are read from the spec, so the exact bound needs no
+    name of the scheduler's own config; ``blocks_per_chunk`` (``block_size_factor`` before
+    #48150) is for the event only (None when neither name exists).
     """
     group_config = context.get("group_config")
     scheduler = context.get("self")
     if group_config is None or scheduler is None:
         return None
-    config = scheduler.config
-    bpc = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor")
-    tpb = getattr(group_config, "tokens_per_block", None) or getattr(group_config, "gpu_block_size")
-    window_chunks = getattr(group_config, "sliding_window_size_in_chunks", None)
-    if window_chunks is None:
-        window_chunks = getattr(group_config, "sliding_window_size_in_blocks", None)
     spec = getattr(group_config, "kv_cache_spec", None)
     if spec is None:
         specs = getattr(scheduler, "_kvguard_kv_specs", None)
         if specs is not None:
-            spec = specs.get(group_config.group_idx)
+            spec = specs.get(getattr(group_config, "group_idx", None))
     if spec is None:
         return None
+    config = getattr(scheduler, "config", None)
+    bpc = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor", None)
+    bpc = int(bpc) if bpc is not None else None
+    tpb = int(spec.block_size)
     lineage = {cls.__name__ for cls in type(spec).__mro__}
     if "SlidingWindowSpec" in lineage:
-        sw = int(spec.sliding_window)
         extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        return ("swa", sw, int(tpb), int(bpc), extra, int(window_chunks or 0))
+        return ("swa", int(spec.sliding_window), tpb, bpc, extra)
     if "MambaSpec" in lineage:
-        return ("mamba", 0, int(tpb), int(bpc), 0, int(window_chunks or 1))
-    return ("other", 0, int(tpb), int(bpc), 0, int(window_chunks or 0))
+        return ("mamba", 0, tpb, bpc, 0)
+    return ("other", 0, tpb, bpc, 0)
 
 
-def _vllm_window_bound(window_chunks: int, bpc: int) -> int:
-    bound = window_chunks * bpc
+def _vllm_window_bound(site: _SiteRT, context: dict[str, Any]) -> int | None:
+    """vLLM's own bound (GPU blocks): the installed release's bound expression evaluated
+    on the window site's locals; None when it cannot be evaluated (counted)."""
+    if site.bound_code is None:
+        return None
     try:
-        if invariants.release_tuple(_vllm_version) >= invariants.release_tuple(
-            invariants.SWA_BOUND_RELAXED_IN
-        ):
-            bound += 1
-    except ValueError:
-        pass
-    return bound
+        return int(eval(site.bound_code, site.module_globals or {}, context))  # noqa: S307 - vLLM's own expression
+    except Exception as error:
+        guard_error(names.STAGE_CONTEXT, error)
+        return None
+
+
+def _pending_blocks(site: _SiteRT, context: dict[str, Any]) -> int:
+    """The pending GPU blocks of the load: the left side of vLLM's window assert."""
+    value = context.get(site.pending_name) if site.pending_name else None
+    return int(value if value is not None else context.get("num_pending_gpu_blocks", 0))
 
 
 def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) -> BaseException | None:
@@ -337,13 +363,13 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
         )
         return _exc(msg)
 
-    kind, sw, tpb, bpc, extra, window_chunks = geometry
-    pending = int(context.get("num_pending_gpu_blocks", 0))
-    vllm_bound = _vllm_window_bound(window_chunks, bpc)
+    kind, sw, tpb, bpc, extra = geometry
+    pending = _pending_blocks(site, context)
+    vllm_bound = _vllm_window_bound(site, context)
     if kind == "mamba":
         # Mamba depends on a single state: never loosened (exactly vLLM's limit).
         check_name = names.CHECK_MAMBA_STATE_LIMIT
-        exact = vllm_bound
+        exact = vllm_bound if vllm_bound is not None else pending
         exact_ok = ok
     else:
         check_name = names.CHECK_SWA_PENDING_BOUND
@@ -458,9 +484,16 @@ def reset() -> None:
     """Zero every in-process counter (not the Prometheus ones) and forget the last failure."""
     global _last_failed_site
     with _lock:
-        for d in (_evals, _tolerated, _violations, _max_pending, _bound):
+        for d in (_evals, _tolerated, _violations, _max_pending, _bound, _guard_errors):
             d.clear()
         _last_failed_site = None
+
+
+def guard_errors() -> dict[str, int]:
+    """Per stage, the exceptions inside kvguard code counted in this process since
+    :func:`reset` (what ``kvguard_guard_errors_total{stage}`` counts); stages with none
+    are absent."""
+    return dict(_guard_errors)
 
 
 def last_failed_site() -> str | None:

@@ -63,6 +63,10 @@ class ReplayResult:
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per stage, exceptions inside kvguard code during the replay (runtime.guard_errors())
+    guard_errors: dict[str, int] = field(default_factory=dict)
+    #: the instrumentor's report: installed, not_rewritten, disabled, special_missing, modules
+    sites: dict[str, Any] = field(default_factory=dict)
     #: per request: local GPU hit and external hit tokens seen by the connector lookup
     hits: dict[str, dict[str, int]] = field(default_factory=dict)
     #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
@@ -467,10 +471,10 @@ def run_replay(
         vllm_version=version, trace=trace.name, guard=guard, policy=policy if guard else None
     )
     if guard:
-        result.guard_installed = install_guard(policy)
         from kvguard.guards import runtime
 
-        runtime.reset()
+        runtime.reset()  # before install: install-stage guard errors belong to this replay
+        result.guard_installed = install_guard(policy)
     else:
         os.environ["KVGUARD_DISABLE"] = "1"
         uninstall_guard()
@@ -551,6 +555,13 @@ def run_replay(
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
     if guard:
         from kvguard.guards import runtime
+        from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 
         result.checks = runtime.snapshot()
+        result.guard_errors = runtime.guard_errors()
+        result.sites = OffloadGuardInstrumentor().report()
+        # true only when the guard really rewrote the offload path (the scheduler module)
+        result.guard_installed = result.guard_installed and result.sites["installed"] > 0 and any(
+            m.endswith(".offloading.scheduler") for m in result.sites["modules"]
+        )
     return result

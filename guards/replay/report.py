@@ -8,6 +8,8 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
      "requests": {"submitted": 4, "finished": 4},
      "checks": {"swa_pending_bound": {"evaluated": 1, "tolerated": 1, "violations": 0,
                                       "max_pending_blocks": 129, "bound": 129}, ...},
+     "guard_errors": {}, "sites": {"installed": 54, "not_rewritten": [], "disabled": 0,
+                                   "special_missing": []},
      "steps": 68, "wall_s": 0.61,
      "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
                                         "local_hit_tokens": 0, "num_cached_tokens": 98012}},
@@ -22,7 +24,12 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
 
 ``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
 ``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
-guard). ``swa_window`` compares the sliding-window GPU block ids the worker received in
+guard); ``guard_errors`` counts exceptions inside kvguard code per stage
+(:func:`kvguard.guards.runtime.guard_errors`; ``{}`` is the healthy value); ``sites`` is the
+instrumentor's report (sites installed from the installed vLLM's own source, asserts
+that could not be rewritten, disabled sites, special sites the release should have and
+that were not matched). ``guard_installed`` is true only when the guard really rewrote
+the offload scheduler module. ``swa_window`` compares the sliding-window GPU block ids the worker received in
 the load spec with the blocks of the window in the real KV cache manager: the window
 is GPU blocks ``[(num_cached_tokens - sliding_window + 1) // tokens_per_block,
 cdiv(num_cached_tokens, tokens_per_block))`` (vLLM's skipped-token rule); ``lost`` are
@@ -89,6 +96,8 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "stalled": result.stalled,
         "requests": {"submitted": result.submitted, "finished": result.finished},
         "checks": result.checks,
+        "guard_errors": result.guard_errors,
+        "sites": {k: v for k, v in result.sites.items() if k != "modules"},
         "steps": result.steps,
         "wall_s": round(result.wall_s, 3),
         "driven_hits": result.driven_hits,

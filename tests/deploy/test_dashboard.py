@@ -188,10 +188,15 @@ def test_every_kvguard_metric_used_is_in_a_real_sidecar_scrape(tmp_path):
     from kvguard.sidecar.app import create_app
     from kvguard.sidecar.config import SidecarConfig
 
-    from kvguard.guards.sites import SITE_IDS
+    import ast
 
+    from kvguard.guards import sites
+
+    # a site as the instrumentor discovers it in an imported offload module
+    found = sites.discover("vllm.v1.kv_offload.base", ast.parse("def f(n):\n    assert n\n"))
+    sites.register(found.sites)
     metrics = GuardMetrics(state_dir=tmp_path)  # pre-creates the check/stage series at 0
-    site = sorted(SITE_IDS)[0]
+    site = found.sites[0].site_id
     metrics.site_installed(site, True)  # what the instrumentor does per installed site
     (tmp_path / "fatal").mkdir(exist_ok=True)
     # no lifespan: the health poller does not run; nothing listens on this port

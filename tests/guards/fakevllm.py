@@ -52,16 +52,17 @@ def cdiv(a, b):
 
 
 class SlidingWindowSpec:
-    def __init__(self, sliding_window):
+    def __init__(self, sliding_window, block_size=32):
         self.sliding_window = sliding_window
+        self.block_size = block_size
 
 
 class MambaSpec:
-    pass
+    block_size = 32
 
 
 class FullAttentionSpec:
-    pass
+    block_size = 32
 
 
 class GroupOffloadConfig(NamedTuple):

@@ -10,7 +10,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvguard.guards import names
 from kvguard.guards.metrics import GuardMetrics, get_metrics
-from kvguard.guards.sites import SITE_SWA_PENDING_BOUND
+from guardtools import SITE_SWA_PENDING_BOUND
 
 
 def scrape(path) -> CollectorRegistry:

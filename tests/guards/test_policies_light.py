@@ -10,7 +10,7 @@ import pytest
 from kvguard.guards import events, names, runtime
 from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
+from guardtools import SITE_GROUP_SIZES_SUM, SITE_REQUEST_NOT_NONE, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
 
 import fakevllm
 from guardtools import sample
@@ -171,10 +171,13 @@ class TestIssue42945:
 def test_unknown_assert_is_counted_logged_and_reraised(fake, registry):
     install("guard", fake)
     sched = swa_scheduler()
-    with events.capture() as logged, pytest.raises(AssertionError):
-        sched.update_state_after_alloc(None, 4096, 100)  # `assert request is not None` is not listed
-    # that assert is not in the table: plain vLLM behaviour, nothing counted for it
-    assert not [e for e in logged if e["event"] == "check_failed"]
+    with events.capture() as logged, pytest.raises(AssertionError) as info:
+        sched.update_state_after_alloc(None, 4096, 100)  # `assert request is not None`: listed nowhere
+    # every assert in scope is a site: counted and logged with its id, then vLLM's own error
+    assert type(info.value) is AssertionError
+    (failed,) = [e for e in logged if e["event"] == "check_failed"]
+    assert (failed["site"], failed["check"], failed["action"]) == (SITE_REQUEST_NOT_NONE, "scheduler_assert", "raised")
+    assert sample(registry, "kvguard_invariant_violations_total", check="scheduler_assert", action="raised") == 1
 
 
 def test_guard_error_is_counted_and_vllm_behaviour_follows(fake, registry, monkeypatch):

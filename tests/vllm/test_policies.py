@@ -15,7 +15,7 @@ from kvguard.guards import events, runtime
 from kvguard.guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
 from kvguard.guards.metrics import GuardMetrics
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import SITE_GROUP_SIZES_SUM, SITE_SWA_PENDING_BOUND
+from guardtools_vllm import SITE_GROUP_SIZES_SUM, SITE_SWA_PENDING_BOUND
 
 from guards_vllm_stubs import PastTheWindowCheck, load_call
 

@@ -1,0 +1,44 @@
+"""The installed vLLM's in-scope modules, found from its files (no table), for tests/vllm."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+from pathlib import Path
+
+from kvguard.guards.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope
+
+
+def scope_module_names() -> list[str]:
+    """Every module of the installed vLLM that kvguard's scope rule accepts (by file)."""
+    root = Path(importlib.util.find_spec("vllm").origin).parent
+    out = []
+    for pkg in (*SCOPE_PACKAGES, CONNECTOR_MODULE):
+        rel = Path(*pkg.split(".")[1:])
+        base = root / rel
+        files = [base.with_suffix(".py")] if (base.with_suffix(".py")).exists() else sorted(base.rglob("*.py"))
+        for f in files:
+            parts = f.relative_to(root).with_suffix("").parts
+            name = ".".join(("vllm", *parts))
+            name = name.removesuffix(".__init__")
+            if in_scope(name):
+                out.append(name)
+    return sorted(set(out))
+
+
+def import_scope() -> tuple[dict[str, object], dict[str, str]]:
+    """Import every in-scope module: ``(modules, failures)``; a failure (an optional
+    dependency this machine lacks, e.g. NIXL) is returned with its error, never hidden."""
+    modules, failures = {}, {}
+    for name in scope_module_names():
+        try:
+            modules[name] = importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - reported by the caller
+            failures[name] = f"{type(error).__name__}: {error}"
+    return modules, failures
+
+
+def discovered(module: object) -> Discovery:
+    """What kvguard's discovery finds in an imported module's own source."""
+    return discover(module.__name__, ast.parse(Path(module.__file__).read_text()))
