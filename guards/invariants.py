@@ -17,16 +17,10 @@ __all__ = [
     "swa_pending_blocks",
     "swa_pending_max",
     "swa_skipped_tokens",
-    "vllm_asserted_swa_bound",
     "mamba_pending_limit",
     "release_tuple",
     "group_sizes_consistency",
-    "SWA_BOUND_RELAXED_IN",
 ]
-
-#: First vLLM release whose assert adds the ``+ 1`` of PR #49052 (fix for #48959).
-SWA_BOUND_RELAXED_IN = "0.27.1"
-
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ``a`` by positive ``b`` (vLLM's ``cdiv``)."""
@@ -107,33 +101,6 @@ def swa_pending_blocks(
         // tokens_per_block
     )
     return cdiv(num_cached_tokens, tokens_per_block) - skipped_blocks
-
-
-def vllm_asserted_swa_bound(
-    vllm_version: str,
-    sliding_window_tokens: int,
-    tokens_per_block: int,
-    blocks_per_chunk: int,
-    extra_retained_tokens: int = 0,
-) -> int:
-    """The pending-GPU-block bound that ``update_state_after_alloc`` asserts in a vLLM release.
-
-    - 0.21.0 .. 0.27.0: ``sliding_window_size_in_blocks * block_size_factor`` =
-      ``cdiv(sw, tokens_per_chunk) * blocks_per_chunk`` (too strict: #48959).
-    - 0.27.1 and later: the same ``+ 1`` (PR #49052), where 0.33.0 computes the window
-      in chunks as ``max(cdiv(sw, chunk), cdiv(sw - 1 + extra, chunk))``.
-
-    ``vllm_version`` is a release string such as ``"0.25.1"`` or ``"0.33.0+cpu"``;
-    raises ``ValueError`` when it does not start with a release number.
-    """
-    tokens_per_chunk = tokens_per_block * blocks_per_chunk
-    chunks = cdiv(sliding_window_tokens, tokens_per_chunk)
-    if extra_retained_tokens:
-        chunks = max(chunks, cdiv(sliding_window_tokens - 1 + extra_retained_tokens, tokens_per_chunk))
-    bound = chunks * blocks_per_chunk
-    if release_tuple(vllm_version) >= release_tuple(SWA_BOUND_RELAXED_IN):
-        bound += 1
-    return bound
 
 
 def release_tuple(version: str) -> tuple[int, int, int]:

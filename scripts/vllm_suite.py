@@ -36,7 +36,6 @@ import argparse
 import ast
 import dataclasses
 import hashlib
-import html.parser
 import io
 import json
 import os
@@ -65,115 +64,19 @@ PLUGINS = ("vllm_suite_hybrid_kv", "vllm_suite_session")
 REPORT_ENV = "KVSUITE_REPORT"
 
 
-class SetupError(Exception):
-    """The comparison could not be set up (no sdist, no suite folder, no vLLM)."""
+from kvguard.guards.vllm_source import (  # noqa: E402 - re-exported for the CLI and its tests
+    SourceError as SetupError,
+    fetch_sdist,
+    find_in_simple_page,
+    index_file_entry,
+    sdist_filename,
+)
 
 
 # --------------------------------------------------------------------------- sdist
 
 
-def sdist_filename(version: str) -> str:
-    """``"0.33.0"`` -> ``"vllm-0.33.0.tar.gz"`` (the sdist name on PyPI)."""
-    return f"vllm-{version}.tar.gz"
-
-
-def index_file_entry(index_url: str, filename: str) -> tuple[str, str]:
-    """Look ``filename`` up on the index's ``vllm`` project page; return ``(url, sha256)``.
-
-    Asks for the PEP 691 JSON form of the simple API and accepts the PEP 503 HTML form.
-    Raises ``SetupError`` if the index lists no such file or gives no sha256.
-    """
-    page_url = index_url.rstrip("/") + "/vllm/"
-    request = urllib.request.Request(
-        page_url,
-        headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        body, content_type = resp.read(), resp.headers.get("Content-Type", "")
-    url, digest = find_in_simple_page(body, content_type, filename)
-    return urllib.parse.urljoin(page_url, url), digest
-
-
-class _AnchorParser(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.links: list[tuple[str, str]] = []  # (href, text)
-        self._href: str | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "a":
-            self._href = dict(attrs).get("href") or ""
-
-    def handle_data(self, data: str) -> None:
-        if self._href is not None:
-            self.links.append((self._href, data.strip()))
-            self._href = None
-
-
-def find_in_simple_page(body: bytes, content_type: str, filename: str) -> tuple[str, str]:
-    """``(url, sha256)`` of ``filename`` in a simple-API project page. Pure.
-
-    JSON (PEP 691, ``application/vnd.pypi.simple.v1+json``): ``files[].filename`` /
-    ``url`` / ``hashes.sha256``. HTML (PEP 503): the anchor whose text is ``filename``,
-    its ``#sha256=`` fragment. The URL may be relative to the page. Raises ``SetupError``
-    if the file or its sha256 is missing.
-    """
-    if "json" in content_type:
-        for entry in json.loads(body).get("files", []):
-            if entry.get("filename") == filename:
-                digest = entry.get("hashes", {}).get("sha256")
-                if not digest:
-                    raise SetupError(f"no sha256 for {filename} on the index")
-                return entry["url"], digest
-    else:
-        parser = _AnchorParser()
-        parser.feed(body.decode("utf-8", errors="replace"))
-        for href, text in parser.links:
-            if text == filename:
-                url, _, fragment = href.partition("#")
-                if not fragment.startswith("sha256="):
-                    raise SetupError(f"no sha256 for {filename} on the index")
-                return url, fragment[len("sha256="):]
-    raise SetupError(f"the index's vllm page lists no {filename}")
-
-
-def fetch_sdist(version: str, cache_dir: Path, index_url: str = DEFAULT_INDEX) -> Path:
-    """Return the cached, sha256-verified sdist of vLLM ``version``; download it if needed.
-
-    ``cache_dir/vllm-<ver>.tar.gz`` plus ``.sha256`` (the index's digest, written after a
-    verified download). A cached file whose bytes match its ``.sha256`` is used offline.
-    Raises ``SetupError`` on a digest mismatch.
-    """
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    name = sdist_filename(version)
-    path = cache_dir / name
-    digest_file = cache_dir / (name + ".sha256")
-    if path.exists() and digest_file.exists():
-        if _sha256(path) == digest_file.read_text().strip():
-            return path
-    url, digest = index_file_entry(index_url, name)
-    if not (path.exists() and _sha256(path) == digest):
-        tmp = path.with_suffix(".part")
-        with urllib.request.urlopen(url, timeout=600) as resp, open(tmp, "wb") as out:
-            shutil.copyfileobj(resp, out, 1 << 20)
-        got = _sha256(tmp)
-        if got != digest:
-            tmp.unlink()
-            raise SetupError(f"{url}: sha256 {got} != index {digest}")
-        os.replace(tmp, path)
-    digest_file.write_text(digest + "\n")
-    return path
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- extract
+# sdist fetching lives in kvguard.guards.vllm_source (one implementation for both).
 
 
 def imported_test_modules(source: bytes, module: str, is_package: bool) -> set[str]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from kvguard.guards import vllm_source
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -288,7 +290,7 @@ class TestFetchSdist:
             calls.append((index_url, filename))
             return source.as_uri(), digest
 
-        monkeypatch.setattr(vs, "index_file_entry", entry)
+        monkeypatch.setattr(vllm_source, "index_file_entry", entry)
         cache = tmp_path / "cache"
         got = vs.fetch_sdist("9.9.9", cache, "https://index.invalid/simple")
         assert got == cache / "vllm-9.9.9.tar.gz" and got.read_bytes() == source.read_bytes()
@@ -299,7 +301,7 @@ class TestFetchSdist:
 
     def test_digest_mismatch_is_an_error_and_leaves_no_file(self, tmp_path, monkeypatch):
         source = make_sdist(tmp_path / "upstream.tar.gz", {"pyproject.toml": b""})
-        monkeypatch.setattr(vs, "index_file_entry", lambda i, f: (source.as_uri(), "0" * 64))
+        monkeypatch.setattr(vllm_source, "index_file_entry", lambda i, f: (source.as_uri(), "0" * 64))
         with pytest.raises(vs.SetupError, match="sha256"):
             vs.fetch_sdist("9.9.9", tmp_path / "cache", "x")
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []

@@ -1,0 +1,107 @@
+"""The source-only release matrix (issue 8): for each vLLM release, from its own sources,
+every assert in scope vs every assert kvguard's rewriter replaces, the special sites
+matched, and the window bound the release asserts for a geometry. No torch, no install:
+the sdist is fetched once (cached) and only the in-scope ``.py`` files are read.
+
+``python -m kvguard.guards.release_matrix [VERSION ...]`` prints the table (Markdown);
+``--json`` prints one object per release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+from kvguard.guards.rewrite import SiteSpec, rewrite_function
+from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, discover
+from kvguard.guards.vllm_source import DEFAULT_CACHE, asserted_window_bound, fetch_sdist, sdist_offload_sources
+
+__all__ = ["RELEASES", "ReleaseRow", "release_row", "main"]
+
+#: Every vLLM release from 0.21.0 to 0.33.0 (the supported range), as published.
+RELEASES: tuple[str, ...] = (
+    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
+    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)
+#: The seed geometry of #48959: sliding window 4096 tokens, GPU block 32, chunk 256.
+SEED_GEOMETRY = (4096, 32, 256)
+
+
+@dataclass
+class ReleaseRow:
+    """One release: per module ``[in_scope_asserts, rewritten_asserts]``, totals, the
+    special kinds expected and matched, and vLLM's own window bound (GPU blocks)."""
+
+    version: str
+    modules: dict[str, list[int]] = field(default_factory=dict)
+    in_scope: int = 0
+    rewritten: int = 0
+    special_expected: list[str] = field(default_factory=list)
+    special_missing: list[str] = field(default_factory=list)
+    window_bound: int | None = None
+    window_expr: str | None = None
+
+
+def _count_asserts(node: ast.AST) -> int:
+    return sum(isinstance(n, ast.Assert) for n in ast.walk(node))
+
+
+def release_row(version: str, sources: dict[str, str]) -> ReleaseRow:
+    """Discover and rewrite every in-scope module of one release's sources (compiled, never run)."""
+    row = ReleaseRow(version)
+    expected: set[str] = set()
+    missing: set[str] = set()
+    for module, source in sorted(sources.items()):
+        tree = ast.parse(source)
+        found = discover(module, tree)
+        expected |= found.expected_special
+        missing |= set(found.special_missing)
+        by_qualname: dict[str, list] = {}
+        for site in found.sites:
+            by_qualname.setdefault(site.qualname, []).append(site)
+        rewritten = 0
+        for qualname, sites in by_qualname.items():
+            specs = [SiteSpec(s.site_id, s.kind, (s.fingerprint,)) for s in sites]
+            result = rewrite_function(tree, qualname, specs)
+            if result is None:
+                continue
+            new_module, _ = result
+            compile(new_module, module, "exec")  # what the instrumentor compiles
+            from kvguard.guards.rewrite import find_function
+
+            original = find_function(tree, qualname)[0]
+            rewritten += _count_asserts(original) - _count_asserts(new_module)
+        if found.in_scope_asserts:
+            row.modules[module] = [found.in_scope_asserts, rewritten]
+        row.in_scope += found.in_scope_asserts
+        row.rewritten += rewritten
+    row.special_expected = sorted(expected)
+    row.special_missing = sorted(missing)
+    row.window_bound, row.window_expr = asserted_window_bound(sources, *SEED_GEOMETRY)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="*", default=list(RELEASES))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = [release_row(v, sdist_offload_sources(fetch_sdist(v, DEFAULT_CACHE / "sdists"))) for v in args.versions]
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+        return 0
+    print("| vLLM | asserts in scope | rewritten | special sites matched | window bound (4096/32/256) |")
+    print("|---|---:|---:|---|---:|")
+    for r in rows:
+        specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)
+                             if k in r.special_expected and k not in r.special_missing)
+        print(f"| {r.version} | {r.in_scope} | {r.rewritten} | {specials} | {r.window_bound} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
