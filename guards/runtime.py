@@ -274,10 +274,41 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
         policy=_policy,
         action=action,
         vllm_version=_vllm_version,
+        request_id=_request_id(context),
+        blocks_per_chunk=_blocks_per_chunk(context),
         context=context,
         message=None if msg is _NO_MSG else msg,
     )
     return exc
+
+
+def _request_id(context: dict[str, Any]) -> str | None:
+    """The request id a failing assert's frame holds, under vLLM's usual local names
+    (``req_id``; ``request`` / ``req``; ``req_status.req``), or None."""
+    for key in ("req_id", "request_id"):
+        value = context.get(key)
+        if isinstance(value, str):
+            return value
+    for key in ("request", "req", "req_status", "req_state"):
+        obj = context.get(key)
+        for candidate in (obj, getattr(obj, "req", None)):
+            value = getattr(candidate, "request_id", None)
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def _blocks_per_chunk(context: dict[str, Any]) -> int | None:
+    """``blocks_per_chunk`` (``block_size_factor`` before #48150) of the scheduler or
+    spec the frame belongs to, or None; the frame's scalar locals (``num_cached_tokens``,
+    token and block counts) are in the event's ``context``."""
+    config = getattr(context.get("self"), "config", None)
+    for owner in (config, context.get("self")):
+        for name in ("blocks_per_chunk", "block_size_factor"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                return value
+    return None
 
 
 def _called_from_store_builder() -> bool:

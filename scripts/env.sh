@@ -27,6 +27,12 @@ fi
 uv="$venvs/tools/bin/uv"
 
 target="$venvs/$name"
+# One builder per environment at a time: `make test` builds the environments in the
+# background while earlier tests run, and a foreground call for the same name waits here
+# (then finds the stamps and returns at once). uv's cache has its own locks.
+mkdir -p "$venvs"
+exec 9>"$venvs/.lock-$name"
+flock 9
 # Two stamps: the base (this script: the vLLM wheel set) forces a rebuild; a changed
 # pyproject.toml only re-installs kvguard into the existing environment (no rm -rf
 # under the feet of a running test).

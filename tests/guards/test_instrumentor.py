@@ -135,7 +135,7 @@ def test_every_assert_of_a_module_in_scope_is_a_site(tmp_path, registry, metrics
     with fakevllm.fake_vllm(tmp_path) as root:
         (root / "vllm/v1/kv_offload/future_tier.py").write_text(
             "class FutureTierManager:\n"
-            "    def evict(self, n):\n"
+            "    def evict(self, n, req_id='r-7'):\n"
             "        assert n <= 3, f'cannot evict {n}'\n"
             "        return n\n"
         )
@@ -149,6 +149,7 @@ def test_every_assert_of_a_module_in_scope_is_a_site(tmp_path, registry, metrics
             future_tier.FutureTierManager().evict(4)
         (failed,) = [e for e in logged if e["event"] == "check_failed"]
         assert failed["site"] == site and failed["action"] == "raised"
+        assert failed["request_id"] == "r-7" and failed["context"]["n"] == 4  # read from the frame
         assert runtime.last_failed_site() == site
         labels = {"check": "offload_manager_assert", "action": "raised"}
         assert sample(registry, "kvguard_invariant_violations_total", **labels) == 1

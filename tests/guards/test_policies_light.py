@@ -228,3 +228,16 @@ def test_scheduler_built_before_install_is_reported_blind(fake, registry):
         sched.update_state_after_alloc(Request(), 98012, 2934)  # vLLM's own decision
     assert sample(registry, "kvguard_guard_errors_total", stage="context") == 1
     assert sample(registry, "kvguard_invariant_violations_total", check="scheduler_assert", action="raised") == 1
+
+
+def test_generic_assert_event_carries_the_request_and_geometry(fake, registry):
+    """Issue 8 item 6: a generic assert's event names the request and the geometry the
+    frame holds (here the stand-in's store builder: req_id and the scheduler's config)."""
+    install("guard", fake)
+    sched = swa_scheduler()
+    with events.capture() as logged, pytest.raises(AssertionError):
+        sched.update_state_after_alloc(None, 4096, 100)
+    (failed,) = [e for e in logged if e["event"] == "check_failed"]
+    assert failed["blocks_per_chunk"] == 8
+    assert failed["context"]["num_cached_tokens"] == 4096
+    assert failed["request_id"] is None  # the frame's request is None: nothing invented

@@ -40,6 +40,7 @@ SEED_PENDING_BLOCKS = -(-SEED_CACHED_TOKENS // 32) - SEED_WINDOW_FIRST_BLOCK
 assert (SEED_WINDOW_FIRST_BLOCK, SEED_PENDING_BLOCKS) == (2934, 129)
 
 SWA_ASSERT_025 = "num_pending_gpu_blocks <= group_config.sliding_window_size_in_blocks"
+SWA_ASSERT_026 = "num_pending_gpu_blocks <= group_config.sliding_window_size_in_chunks * self.config.blocks_per_chunk )"
 GROUP_SIZES_ASSERT = "assert sum(group_sizes) == len(block_ids)"
 
 
@@ -59,6 +60,20 @@ EXPECTED: dict[str, dict[tuple[str, str], Expect]] = {
     "0.33.0": {
         ("seed-48959", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
         ("seed-48959", NO_GUARD): Expect(0),
+        ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-42945", NO_GUARD): Expect(0),
+    },
+    # measured (issue 8): 0.29.0 asserts the `+ 1` of #49052 (from 0.27.0 on)
+    "0.29.0": {
+        ("seed-48959", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-48959", NO_GUARD): Expect(0),
+        ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
+        ("seed-42945", NO_GUARD): Expect(0),
+    },
+    # measured (issue 8): 0.26.0 still asserts the strict bound, renamed by #48150
+    "0.26.0": {
+        ("seed-48959", GUARD): Expect(0, swa_tolerated=1, group_sizes_violations=0),
+        ("seed-48959", NO_GUARD): Expect(1, error_contains=SWA_ASSERT_026),
         ("seed-42945", GUARD): Expect(0, swa_tolerated=0, group_sizes_violations=0),
         ("seed-42945", NO_GUARD): Expect(0),
     },
@@ -164,6 +179,10 @@ def test_seed_48959_load_is_exactly_the_window(mode: str, expected: dict) -> Non
 def test_guard_counts(trace: str, expected: dict) -> None:
     want: Expect = expected[(trace, GUARD)]
     _code, out, _ = replay(trace, GUARD)
+    # issue 8: no error inside kvguard, every discovered site rewritten, no special missing
+    assert out["guard_errors"] == {}
+    assert out["sites"]["not_rewritten"] == [] and out["sites"]["special_missing"] == []
+    assert out["sites"]["installed"] >= 40
     swa = out["checks"]["swa_pending_bound"]
     assert swa["tolerated"] == want.swa_tolerated
     assert swa["violations"] == 0
@@ -204,6 +223,8 @@ def test_seed_42945_store_keys_never_left_pending(expected: dict) -> None:
 STRADDLE_STORE: dict[str, list[dict[str, list[int]]]] = {
     "0.33.0": [{"group_sizes": [144, 128], "block_indices": [368, 384]}],
     "0.25.1": [{"group_sizes": [512, 280], "block_indices": [0, 232]}],
+    "0.26.0": [{"group_sizes": [512, 280], "block_indices": [0, 232]}],
+    "0.29.0": [{"group_sizes": [512, 280], "block_indices": [0, 232]}],
     "0.21.0": [],
 }
 
