@@ -51,7 +51,7 @@ VL = 'job=~"$job", instance=~"$instance"'
 RI = "[$__rate_interval]"
 
 #: vLLM metrics the dashboard plots: source name -> (type, first supported vLLM release
-#: that defines it). Supported releases: 0.21.0, 0.25.1, 0.33.0. Checked against the installed
+#: that defines it), as measured in the full environments (0.21.0, 0.25.1, 0.26.0, 0.29.0, 0.33.0). Checked against the installed
 #: vLLM by tests/deploy/test_vllm_metric_names.py (marked vllm) in every vLLM env.
 #: Counters are exposed with ``_total``, histograms as ``_bucket``/``_sum``/``_count``.
 VLLM_METRICS: dict[str, tuple[str, str]] = {
@@ -68,7 +68,7 @@ VLLM_METRICS: dict[str, tuple[str, str]] = {
     "vllm:kv_offload_store_bytes": ("counter", "0.25.1"),
     "vllm:kv_offload_cpu_cache_usage_perc": ("gauge", "0.25.1"),
     "vllm:kv_offload_stores_skipped": ("counter", "0.25.1"),
-    "vllm:kv_offload_allocation_failure": ("counter", "0.33.0"),
+    "vllm:kv_offload_allocation_failure": ("counter", "0.26.0"),  # absent in 0.25.1, present in 0.26.0
 }
 
 
@@ -328,7 +328,7 @@ def build_dashboard() -> dict[str, Any]:
         unit="percentunit"))
     lay.add(_timeseries(
         "KV offload stores skipped / allocation failures",
-        "vllm:kv_offload_stores_skipped (0.25.1 on) and vllm:kv_offload_allocation_failure (0.33.0 on).",
+        "vllm:kv_offload_stores_skipped (0.25.1 on) and vllm:kv_offload_allocation_failure (0.26.0 on).",
         [_target(f"sum(increase(vllm:kv_offload_stores_skipped_total{{{VL}}}{RI}))", "stores skipped", "A"),
          _target(f"sum(increase(vllm:kv_offload_allocation_failure_total{{{VL}}}{RI}))",
                  "allocation failures", "B")]))
