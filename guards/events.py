@@ -165,7 +165,8 @@ def store_dropped(**fields: Any) -> None:
 
 
 def site_missing(**fields: Any) -> None:
-    """A listed site was not installed: site, module, reason (out_of_range, not_found, disabled...)."""
+    """A site was not installed: site, module, reason (``not_rewritten`` with a ``detail``,
+    or ``special_missing``: a special site the module should have and that was not matched)."""
     _emit("warning", names.EVENT_SITE_MISSING, fields)
 
 

@@ -259,10 +259,12 @@ class OffloadGuardInstrumentor:
         except Exception as error:
             runtime.guard_error(names.STAGE_METRICS, error)
 
-    def _missing(self, state: _State, site_id: str, module: str, reason: str) -> None:
+    def _missing(self, state: _State, site_id: str, module: str, reason: str, detail: str | None = None) -> None:
         state.status[site_id] = reason
         self._gauge(state, site_id, False)
-        events.site_missing(site=site_id, module=module, reason=reason, vllm_version=state.vllm_version)
+        events.site_missing(
+            site=site_id, module=module, reason=reason, detail=detail, vllm_version=state.vllm_version
+        )
 
     def _instrument_module(self, module: types.ModuleType) -> None:
         state = self._state
@@ -337,9 +339,10 @@ class OffloadGuardInstrumentor:
                     self._gauge(state, site.site_id, True)
                     events.site_installed(site=site.site_id, module=site.module)
                 else:
-                    reason = failed.get(site.site_id, "not_found")
-                    self._missing(state, site.site_id, site.module, "not_rewritten")
-                    events.guard_error(stage=names.STAGE_REWRITE, error=f"{site.site_id}: {reason}")
+                    # not_found: no function object to swap (e.g. a property setter);
+                    # source_mismatch: the file changed after import; error: counted above
+                    detail = failed.get(site.site_id, "not_found")
+                    self._missing(state, site.site_id, site.module, "not_rewritten", detail)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]

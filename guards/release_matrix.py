@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from kvguard.guards.rewrite import SiteSpec, rewrite_function
+from kvguard.guards.rewrite import SiteSpec, find_function, rewrite_function
 from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, discover
 from kvguard.guards.vllm_source import DEFAULT_CACHE, asserted_window_bound, fetch_sdist, sdist_offload_sources
 
@@ -70,8 +70,6 @@ def release_row(version: str, sources: dict[str, str]) -> ReleaseRow:
                 continue
             new_module, _ = result
             compile(new_module, module, "exec")  # what the instrumentor compiles
-            from kvguard.guards.rewrite import find_function
-
             original = find_function(tree, qualname)[0]
             rewritten += _count_asserts(original) - _count_asserts(new_module)
         if found.in_scope_asserts:
