@@ -9,6 +9,7 @@ site, and evaluates vLLM's own window bound.
 from __future__ import annotations
 
 import ast
+import sys
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -135,3 +136,40 @@ def test_check_geometry_reads_the_installed_release(tmp_path):
     assert f"installed vLLM {version}: asserts pending <= " in out.output
     assert f"= {bound} GPU blocks" in out.output
     assert out.exit_code == (3 if bound == 128 else 0), out.output
+
+
+def test_a_planted_assert_in_a_copy_of_a_target_module(tmp_path, installed):
+    """A copy of the installed release's CPU offload manager, as a future release might
+    ship it (a new module name, one assert nobody has seen): rewritten at import,
+    counted and re-raised with its site id, with no change in kvguard (issue 8)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    import vllm.v1.kv_offload as pkg
+    from kvguard.guards import events
+    from kvguard.guards.rewrite import fingerprint_id
+
+    inst, registry = installed
+    source = Path(importlib.util.find_spec("vllm.v1.kv_offload.cpu.manager").origin).read_text()
+    planted = "\n\ndef kvguard_planted_evict(n_chunks):\n    assert n_chunks <= 3, f'cannot evict {n_chunks}'\n    return n_chunks\n"
+    (tmp_path / "planted_manager.py").write_text(source + planted)
+    pkg.__path__.append(str(tmp_path))
+    try:
+        module = importlib.import_module("vllm.v1.kv_offload.planted_manager")
+        site = f"kv_offload.planted_manager:kvguard_planted_evict:{fingerprint_id('n_chunks <= 3')}"
+        assert inst.site_status()[site] == "installed"
+        # the copied manager's own asserts are sites of the new module too
+        copied = [s for s in discovered(module).sites if s.qualname != "kvguard_planted_evict"]
+        assert copied and all(inst.site_status()[s.site_id] == "installed" for s in copied)
+        assert module.kvguard_planted_evict(3) == 3
+        with events.capture() as logged, pytest.raises(AssertionError, match="cannot evict 4"):
+            module.kvguard_planted_evict(4)
+        (failed,) = [e for e in logged if e["event"] == "check_failed"]
+        assert (failed["site"], failed["action"]) == (site, "raised")
+        assert runtime.last_failed_site() == site
+        labels = {"check": "offload_manager_assert", "action": "raised"}
+        assert registry.get_sample_value("kvguard_invariant_violations_total", labels) == 1
+    finally:
+        pkg.__path__.remove(str(tmp_path))
+        sys.modules.pop("vllm.v1.kv_offload.planted_manager", None)
