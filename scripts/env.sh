@@ -48,10 +48,16 @@ esac
 
 # The live environment installs kvguard from a wheel: any change to what the wheel
 # carries (sources, package data, metadata) must rebuild and re-install it.
+# Built from a copy of what the wheel carries, so no stale build/ or *.egg-info in the
+# repository (setuptools reuses them) can slip a deleted file into the wheel.
 kvguard_wheel() {
-  local out="$target/.kvguard-wheel"
-  rm -rf "$out"
-  "$uv" build -q --wheel --out-dir "$out" "$root" >&2
+  local out="$target/.kvguard-wheel" src="$target/.kvguard-src"
+  rm -rf "$out" "$src"
+  mkdir -p "$src"
+  cp -r "$root/pyproject.toml" "$root/README.md" "$root/guards" "$root/sidecar" "$src/"
+  find "$src" -name __pycache__ -prune -exec rm -rf {} +
+  "$uv" build -q --wheel --out-dir "$out" "$src" >&2
+  rm -rf "$src"
   ls "$out"/kvguard-*.whl
 }
 case "$name" in
