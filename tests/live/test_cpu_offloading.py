@@ -147,3 +147,14 @@ def test_mismatched_specs_are_refused_as_upstream():
     with pytest.raises(AssertionError):  # one chunk left unused
         w.submit_store(1, A.GPULoadStoreSpec([0, 1], [2, 0], [0, 0]), A.CPULoadStoreSpec([0, 1]))
     assert A.np.array_equal(w.cpu_pages[0].numpy(), A.np.zeros_like(w.cpu_pages[0].numpy()))
+
+
+def test_page_rows_is_vllms_own_page_enumeration():
+    from vllm.v1.kv_offload.cpu.gpu_worker import _canonical_page_ids
+
+    from kvguard.guards.cpu_offloading import page_rows
+
+    ids = A.np.array([5, 2, 9], dtype=A.np.int32)
+    for bpc, count, skip in ((1, 3, 0), (1, 2, 0), (4, 12, 0), (4, 9, 3), (4, 5, 2), (2, 1, 1)):
+        assert page_rows(ids, bpc, count, skip).tolist() == _canonical_page_ids(ids, bpc, count, skip).tolist()
+    assert page_rows(ids, 4, 5, 2).tolist() == [22, 23, 8, 9, 10]
