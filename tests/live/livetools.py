@@ -38,7 +38,7 @@ def make_tiny_hybrid(out: Path) -> Path:
     cfg = MistralConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        max_position_embeddings=MAX_MODEL_LEN, sliding_window=SLIDING_WINDOW,
+        max_position_embeddings=4096, sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"], torch_dtype="float32",
     )
     torch.manual_seed(0)
@@ -64,16 +64,17 @@ def kv_transfer_config(spec_name: str = SPEC_NAME, spec_module: str = SPEC_MODUL
     })
 
 
-def offload_args(model: Path, port: int, transfer_config: str) -> list[str]:
+def offload_args(model: Path, port: int, transfer_config: str, num_gpu_blocks: int = NUM_GPU_BLOCKS,
+                 max_model_len: int = MAX_MODEL_LEN, extra: tuple[str, ...] = ()) -> list[str]:
     """vLLM server argv: stats on (vLLM's /metrics needs them), eager, a small GPU-block
-    pool, offloading on."""
+    pool (``num_gpu_blocks`` blocks of ``GPU_BLOCK_TOKENS`` tokens), offloading on."""
     return [
         *VLLM_SERVER, "--model", str(model), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2", "--enforce-eager",
-        "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "2", "--enforce-eager",
+        "--num-gpu-blocks-override", str(num_gpu_blocks),
         "--block-size", str(GPU_BLOCK_TOKENS), "--disable-uvicorn-access-log",
-        "--kv-transfer-config", transfer_config,
+        "--kv-transfer-config", transfer_config, *extra,
     ]
 
 
@@ -82,7 +83,7 @@ class LiveServer(Server):
     (``supervised``), or plain vLLM (``KVGUARD_DISABLE=1``) with extra environment."""
 
     def __init__(self, name: str, model: Path, workdir: Path, supervised: bool, transfer_config: str,
-                 env_extra: dict[str, str] | None = None, grace: float = 30.0) -> None:
+                 env_extra: dict[str, str] | None = None, grace: float = 30.0, **server_args) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = free_port()
@@ -91,7 +92,7 @@ class LiveServer(Server):
         self.termination_log = workdir / "termination-log"
         self.termination_log.write_text("")
         env = {**base_env(), **(env_extra or {})}
-        argv = offload_args(model, self.port, transfer_config)
+        argv = offload_args(model, self.port, transfer_config, **server_args)
         if supervised:
             argv = [KVGUARD, "run", "--log-console", "--grace", str(grace), "--state-dir", str(self.state_dir),
                     "--termination-log", str(self.termination_log), "--", *argv]
