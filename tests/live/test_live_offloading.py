@@ -210,10 +210,12 @@ def test_engine_core_reports_offload_sites_and_swa_checks_through_the_sidecar(li
     offload_on = sorted(site for site, v in installed.items() if v == 1.0)
     print(f"[live] kvguard_site_installed: {len(offload_on)} of {len(installed)} sites at 1")
     # Sites in the OffloadingConnector's scheduler, which vLLM imports only with offloading
-    # on: the geometry recorder and the SWA bound check of update_state_after_alloc.
-    for site in ("scheduler:OffloadingConnectorScheduler.__init__:geometry",
-                 "scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound"):
+    # on: the SWA bound check of update_state_after_alloc and the store drop (#42945),
+    # both matched by structure in the installed release (issue 8); no site is at 0.
+    for site in ("offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound",
+                 "offloading.scheduler:OffloadingConnectorScheduler._build_store_jobs:store_drop"):
         assert installed.get(site) == 1.0, (site, offload_on)
+    assert [site for site, v in installed.items() if v != 1.0] == []
     # One load in this server (turn 2; the baseline loads nothing): one evaluation, and
     # pending / exact bound = SWA_LOAD_BLOCKS / cdiv(window + block - 1, block) = 3 / 4.
     evals = m[("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),))]
