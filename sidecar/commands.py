@@ -47,6 +47,12 @@ def _load(cls: type, **given: object) -> object:
     type=float,
     help="seconds one /health request may take [env KVGUARD_HEALTH_TIMEOUT; 0.5]",
 )
+@click.option(
+    "--startup-budget",
+    default=None,
+    type=float,
+    help="seconds vLLM may take to come up before it counts as dead [env KVGUARD_STARTUP_BUDGET; 600]",
+)
 @click.option("--vllm-version", default=None, help="vLLM version for kvguard_build_info [env KVGUARD_VLLM_VERSION]")
 @click.option("--policy", default=None, help="guard policy shown in /status [env KVGUARD_POLICY; guard]")
 @click.option("--log-level", default=None, help="debug|info|warning|error [env KVGUARD_LOG_LEVEL; info]")

@@ -59,6 +59,10 @@ class SidecarConfig(_Base):
     - ``poll_interval``: seconds between polls of vLLM's ``/health`` (default 0.2 s; /livez
       turns 503 within ``poll_interval + health_timeout`` of vLLM failing its health check).
     - ``health_timeout``: seconds one health request may take before it counts as failed.
+    - ``startup_budget``: seconds the engine may stay ``starting`` (loading its model)
+      from the sidecar's start or a new ``kvguard run`` child before it counts as ``dead``
+      (and ``VLLMEngineDown`` may fire); default 600 s, about the 10 minutes the vLLM
+      container's startup probe allows in ``deploy/k8s`` (0 < x <= 86400).
     - ``vllm_version``: reported in ``kvguard_build_info`` and /status; ``None`` reads it
       from the newest fatal record, then the installed distribution (if any), else "unknown".
     - ``policy``: the guard policy the engine runs with, as reported by /status; the same
@@ -72,6 +76,7 @@ class SidecarConfig(_Base):
     port: int = Field(default=9400)
     poll_interval: float = 0.2
     health_timeout: float = 0.5
+    startup_budget: float = 600.0
     vllm_version: str | None = None
     policy: str = "guard"
     log_level: str = "info"
@@ -104,6 +109,13 @@ class SidecarConfig(_Base):
     def _timeout(cls, v: float) -> float:
         if not 0 < v <= 30:
             raise ValueError("must be > 0 and <= 30 seconds")
+        return v
+
+    @field_validator("startup_budget")
+    @classmethod
+    def _budget(cls, v: float) -> float:
+        if not 0 < v <= 86400:
+            raise ValueError("must be > 0 and <= 86400 seconds")
         return v
 
     @field_validator("policy")

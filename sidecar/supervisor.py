@@ -6,7 +6,9 @@ The loop, as tini's ``main``:
    collected by :func:`signal.sigtimedwait`, never delivered to handlers; become a child
    subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) so orphaned grandchildren (an EngineCore
    whose API server was killed) are reparented to us and reaped; warn when neither PID 1
-   nor a subreaper. Wipe the state dir and export ``KVGUARD_STATE_DIR`` to the child.
+   nor a subreaper. Prepare the state dir (keep the newest fatal records and metrics
+   files of earlier starts: :meth:`kvguard.guards.statefile.StateDir.prepare_run`), write
+   ``run.json`` (``running``, the start time) and export ``KVGUARD_STATE_DIR`` to the child.
 2. Spawn: ``os.posix_spawnp`` with the *original* signal mask, default dispositions for
    the forwarded signals, and a new process group (``setpgroup=0``). A failed exec is
    reported as 127 (not found) or 126 (not executable).
@@ -18,9 +20,14 @@ The loop, as tini's ``main``:
    only the main child's status counts. Each reaped pid's live multiprocess gauge files
    are removed (prometheus-client's ``mark_process_dead``, as gunicorn's ``child_exit``).
 4. After the main child is reaped: the rest of its process group (orphaned EngineCore,
-   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record (if any)
-   is read; :func:`kvguard.sidecar.exitcode.decide_exit` picks the status and the cause goes to
-   the termination log.
+   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record of this
+   start (recorded at or after ``run.json``'s ``started``), if any, is read;
+   :func:`kvguard.sidecar.exitcode.decide_exit` picks the status, the cause goes to the
+   termination log and ``run.json`` says ``exited``.
+
+``run.json`` (:class:`kvguard.guards.statefile.RunRecord`) tells the sidecar a new start
+(fresh startup budget), a requested stop (``stopping``: the engine is ``stopped``, not
+``dead``) and the end. Writing it never changes the exit status.
 
 vLLM #48966 is why this exists: the API server exits 0 when EngineCore dies.
 """
@@ -37,7 +44,13 @@ from pathlib import Path
 
 import structlog
 
-from kvguard.guards.statefile import FatalRecord, StateDir, read_fatal_records
+from kvguard.guards.statefile import (
+    FatalRecord,
+    RunRecord,
+    StateDir,
+    read_fatal_records,
+    write_run_record,
+)
 from kvguard.sidecar.config import SupervisorConfig
 from kvguard.sidecar.exitcode import Exit, decide_exit, signal_name
 from kvguard.sidecar.termination import write_termination_message
@@ -91,6 +104,7 @@ class Supervisor:
     stop_signal: int | None = None
     kill_deadline: float | None = None
     killed: bool = False
+    started: float | None = None
     reaped_orphans: list[int] = field(default_factory=list)
 
     @property
@@ -108,10 +122,29 @@ class Supervisor:
         if state is None:
             return
         try:
-            state.wipe()
-            log.info("state_dir_wiped", state_dir=str(state.root))
+            state.prepare_run()
+            log.info("state_dir_prepared", state_dir=str(state.root))
         except OSError as e:
             log.warning("state_dir_unusable", state_dir=str(state.root), error=str(e))
+
+    def _write_run(self, run_state: str, exit_status: int | None = None) -> None:
+        state = self.state
+        if state is None or self.started is None:
+            return
+        try:
+            write_run_record(
+                state,
+                RunRecord(
+                    started=self.started,
+                    state=run_state,
+                    pid=os.getpid(),
+                    child_pid=self.child_pid,
+                    stop_requested=self.stop_requested,
+                    exit_status=exit_status,
+                ),
+            )
+        except OSError as e:
+            log.warning("run_record_not_written", error=str(e))
 
     def _spawn(self, old_mask: set[int]) -> None:
         cmd = list(self.config.command)
@@ -128,10 +161,13 @@ class Supervisor:
     def _forward(self, sig: int) -> None:
         assert self.child_pid is not None
         if sig in STOP_SIGNALS:
-            if not self.stop_requested:
+            first = not self.stop_requested
+            if first:
                 self.kill_deadline = time.monotonic() + self.config.grace
             self.stop_requested = True
             self.stop_signal = self.stop_signal or sig
+            if first:
+                self._write_run("stopping")
         try:
             os.kill(self.child_pid, sig)
             log.info("signal_forwarded", signal=signal_name(sig), pid=self.child_pid)
@@ -200,10 +236,12 @@ class Supervisor:
             else 0.0
         )
         deadline = time.monotonic() + wait
+        since = self.started if self.started is not None else float("-inf")
         while True:
             records, errors = read_fatal_records(state)
             for err in errors:
                 log.warning("fatal_record_unreadable", error=err)
+            records = [r for r in records if r.time >= since]  # this start's only
             if records or time.monotonic() >= deadline:
                 return records[-1] if records else None
             time.sleep(0.05)
@@ -220,11 +258,15 @@ class Supervisor:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigset)
         try:
             self._prepare_state_dir()
+            self.started = time.time()
+            self._write_run("running")
             try:
                 self._spawn(set(old_mask))
             except OSError as e:
                 log.error("exec_failed", command=list(self.config.command), error=str(e))
-                return decide_exit(None, False, None, exec_error=e)
+                result = decide_exit(None, False, None, exec_error=e)
+                self._write_run("exited", result.code)
+                return result
             while self.child_status is None:
                 timeout = TICK
                 if self.kill_deadline is not None and not self.killed:
@@ -238,7 +280,9 @@ class Supervisor:
                 self._wait_signals(sigset, timeout)
                 self._reap()
             self._finish_group(sigset)
-            return decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+            result = decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+            self._write_run("exited", result.code)
+            return result
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 

@@ -142,17 +142,26 @@ def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_pa
 
     write_mp(state.metrics, "Counter('kvguard_check_evaluations', 'h', ['check']).labels('x').inc(5)\n")
     (state.metrics / "counter_999999.db").write_bytes(b"\xff" * 64)  # corrupt
-    (state.metrics / "gauge_max_999998.db").write_bytes(b"")  # truncated to nothing
+    (state.metrics / "gauge_max_999998.db").write_bytes(b"")  # being created: not an error
     (state.fatal / "777.json").write_text('{"exception": "Assert')  # torn record
     with TestClient(create_app(cfg(fake.url, state.root))) as client:
         busy_wait(lambda: client.get("/livez").status_code == 200)
-        r = client.get("/metrics")
+        for _ in range(3):  # one problem counts once, however often it is met (row 7)
+            r = client.get("/metrics")
+            client.get("/status")
         assert r.status_code == 200
         m = samples(r.text)
         assert m[("kvguard_check_evaluations_total", (("check", "x"),))] == 5.0
-        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 2.0
+        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 1.0
+        assert m[("kvguard_sidecar_unreadable", (("source", "metrics_file"),))] == 1.0
         assert m[("kvguard_sidecar_errors_total", (("source", "fatal_record"),))] == 1.0
-        assert client.get("/status").json()["last_fatal"] is None
+        status = client.get("/status").json()
+        assert status["last_fatal"] is None
+        assert status["errors"]["metrics_file"] == 1 and status["errors"]["fatal_record"] == 1
+        assert status["blind"] is True
+        assert [(u["source"], u["path"]) for u in status["unreadable"]] == [
+            ("fatal_record", "777.json"), ("metrics_file", "counter_999999.db"),
+        ]
 
 
 def test_healthz_and_openapi(fake):

@@ -119,7 +119,7 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     writer = (
         "import os; from kvguard.guards.statefile import *; "
         "write_fatal_record(StateDir(__import__('pathlib').Path(os.environ['KVGUARD_STATE_DIR'])), "
-        "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', 1.0, os.getpid(), '0.25.1', 'running'))"
+        "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', __import__('time').time(), os.getpid(), '0.25.1', 'running'))"
     )
     term = tmp_path / "t"
     run = kvguard_run(
@@ -132,7 +132,10 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     assert line.endswith(")\n") and line.count("\n") == 1
 
 
-def test_state_dir_is_wiped_at_start_and_exported(kvguard_run, tmp_path):
+def test_state_dir_history_is_kept_but_an_old_fatal_does_not_count(kvguard_run, tmp_path):
+    """Row 2: kvguard run keeps the fatal history and the metrics files of earlier starts
+    (the sidecar must still show them after a restart), but an old record never decides
+    this start's exit status."""
     state = tmp_path / "state"
     old = StateDir(state).ensure()
     write_fatal_record(old, FatalRecord("E", "old", None, 1.0, 1, "x"))
@@ -140,8 +143,27 @@ def test_state_dir_is_wiped_at_start_and_exported(kvguard_run, tmp_path):
     seen = tmp_path / "seen"
     script = f'echo "$KVGUARD_STATE_DIR" > {seen}; ls -A "$KVGUARD_STATE_DIR"/fatal "$KVGUARD_STATE_DIR"/metrics >> {seen}; exit 3'
     code, out = kvguard_run(["--state-dir", str(state), "--", "sh", "-c", script]).wait()
-    assert code == 3, out  # the old fatal record no longer counts
-    assert seen.read_text().splitlines() == [str(state), f"{state}/fatal:", "", f"{state}/metrics:"]
+    assert code == 3, out  # the old fatal record does not count for this start
+    assert seen.read_text().splitlines() == [
+        str(state), f"{state}/fatal:", "1-1000.json", "", f"{state}/metrics:", "counter_1.db",
+    ]
+    run = json.loads((state / "run.json").read_text())
+    assert run["state"] == "exited" and run["exit_status"] == 3 and run["stop_requested"] is False
+    assert run["started"] > 1.0
+
+
+def test_fatal_history_is_bounded_across_starts(kvguard_run, tmp_path):
+    from kvguard.guards.statefile import FATAL_HISTORY
+
+    state = StateDir(tmp_path / "state").ensure()
+    for i in range(FATAL_HISTORY + 5):
+        write_fatal_record(state, FatalRecord("E", f"r{i}", None, 10.0 + i, 100 + i, "x"))
+    code, out = kvguard_run(["--state-dir", str(state.root), "--", "sh", "-c", "exit 4"]).wait()
+    assert code == 4, out
+    kept = sorted(p.name for p in state.fatal.iterdir())
+    assert len(kept) == FATAL_HISTORY
+    assert kept[0] == "105-15000.json"  # the 5 oldest (pids 100..104) are gone
+    assert f"{100 + FATAL_HISTORY + 4}-{(10 + FATAL_HISTORY + 4) * 1000}.json" in kept
 
 
 def test_dead_child_live_gauge_files_are_marked_dead(kvguard_run, tmp_path):
