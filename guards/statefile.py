@@ -69,6 +69,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "FatalRecord",
     "StateDir",
+    "file_kind",
     "StateFileError",
     "read_fatal_records",
     "write_fatal_record",
@@ -307,7 +308,7 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise StateFileError(f"not a regular file ({_kind(st.st_mode)})", kind="not_regular")
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
         if st.st_size > limit:
             raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind="too_large")
         chunks = []
@@ -326,7 +327,8 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
         os.close(fd)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """``"fifo"``, ``"character device"``, ... for an ``st_mode`` that is not a regular file."""
     for test, name in (
         (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
         (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),

@@ -57,6 +57,7 @@ from kvguard.sidecar.collector import (
     SidecarView,
     check_counts,
     read_metrics_dir,
+    with_zero_counters,
 )
 from kvguard.sidecar.config import SidecarConfig
 from kvguard.sidecar.health import HealthPoller
@@ -105,6 +106,7 @@ class EngineStatus(BaseModel):
     live: bool
     ready: bool
     deaths: int
+    polls: int
     last_change: float | None
     started_at: float | None
     startup_budget_s: float | None
@@ -173,6 +175,9 @@ class Scraper:
         self.poller = poller
         self.view = view
         self.latest: ScrapeResult | None = None
+        #: scrapes run and requests served by them (``requests - scrapes`` shared one)
+        self.scrapes = 0
+        self.requests = 0
         self._task: asyncio.Task[ScrapeResult] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
 
@@ -183,12 +188,14 @@ class Scraper:
             fams, problems = read_metrics_dir(self.state.metrics)
             self.poller.problems.observe(problems)
         fatal = next((f for f in fams if f.name == ENGINE_FATAL), None)
-        engine = [f for f in fams if f.name not in _SIDECAR_FAMILIES]
+        engine = with_zero_counters([f for f in fams if f.name not in _SIDECAR_FAMILIES])
+        fams = engine
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families(engine))
         registry.register(SidecarCollector(self.view, fatal))
         result = ScrapeResult(fams, generate_latest(registry), time.monotonic())
         self.latest = result
+        self.scrapes += 1
         return result
 
     async def _run(self) -> ScrapeResult:
@@ -200,6 +207,7 @@ class Scraper:
             self._task = None
 
     async def scrape(self) -> ScrapeResult:
+        self.requests += 1
         task = self._task
         if task is None:
             task = self._task = asyncio.ensure_future(self._run())
@@ -334,6 +342,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
                 live=snap.live,
                 ready=snap.ready,
                 deaths=snap.deaths,
+                polls=snap.polls,
                 last_change=snap.last_change,
                 started_at=snap.started_at,
                 startup_budget_s=cfg.startup_budget,

@@ -30,6 +30,7 @@ Series served (besides whatever the engine plugin writes):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -46,7 +47,7 @@ from prometheus_client.mmap_dict import _read_all_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvguard.guards.statefile import FatalRecord
+from kvguard.guards.statefile import FatalRecord, StateFileError, file_kind
 from kvguard.sidecar.problems import SOURCES
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "StateDirCollector",
     "check_counts",
     "read_metrics_dir",
+    "with_zero_counters",
 ]
 
 #: Family name of the engine fatal counter (prometheus-client strips ``_total``).
@@ -107,30 +109,30 @@ def _read_db(dir_fd: int, name: str) -> tuple[bytes, int]:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno == 40:  # ELOOP: a symlink
-            raise ValueError("a symlink (not followed)") from None
+        if e.errno == errno.ELOOP:
+            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
         size = st.st_size
         if size == 0:
             raise _Skip
         if size > MAX_DB_BYTES:
-            raise ValueError(f"{size} bytes, more than {MAX_DB_BYTES}")
+            raise StateFileError(f"{size} bytes, more than {MAX_DB_BYTES}", kind="too_large")
         data = os.read(fd, _PAGE)
         if len(data) < 8:
-            raise ValueError(f"truncated header ({size} bytes)")
+            raise StateFileError(f"truncated header ({size} bytes)")
         used = int.from_bytes(data[:4], "little", signed=True)
         if used == 0:
             raise _Skip
         if not 8 <= used <= size:
-            raise ValueError(f"used={used} outside 8..{size}")
+            raise StateFileError(f"corrupt header: used={used} outside 8..{size}")
         while len(data) < used:
             more = os.read(fd, used - len(data))
             if not more:
-                raise ValueError(f"file shrank below used={used}")
+                raise StateFileError(f"file shrank below used={used}")
             data += more
         return data, used
     finally:
@@ -177,6 +179,9 @@ def read_metrics_dir(path: Path | str) -> tuple[list[Metric], dict[str, dict[str
             except OSError as e:
                 problems["metrics_file"][name] = f"{type(e).__name__}: {e.strerror or e}"
                 continue
+            except StateFileError as e:
+                problems["metrics_file"][name] = str(e)
+                continue
             except Exception as e:
                 problems["metrics_file"][name] = f"{type(e).__name__}: {e}"
                 continue
@@ -218,6 +223,54 @@ class StateDirCollector(Collector):
         for name, why in sorted({**problems["metrics_dir"], **problems["metrics_file"]}.items()):
             self.bad_files.append(f"{name}: {why}")
         yield from families
+
+
+def _engine_counters() -> list[tuple[str, str, tuple[str, ...], list[tuple[str, ...]]]]:
+    """(family, help, label names, label values) of the engine's counters over closed
+    label sets (:mod:`kvguard.guards.names`), which the sidecar serves at 0 until the
+    plugin's files hold them."""
+    from kvguard.guards import names as n
+
+    return [
+        ("kvguard_check_evaluations", "Evaluations of kvguard's exact-invariant checks.",
+         (n.LABEL_CHECK,), [(c,) for c in n.CHECKS]),
+        ("kvguard_check_tolerated", "vLLM assertions that would have failed while the exact invariant held (continued).",
+         (n.LABEL_CHECK,), [(c,) for c in n.CHECKS]),
+        ("kvguard_invariant_violations", "Check failures that were not tolerated, by check and the action taken.",
+         (n.LABEL_CHECK, n.LABEL_ACTION), [(c, a) for c in n.CHECKS for a in n.ACTIONS]),
+        ("kvguard_guard_errors", "Exceptions raised inside kvguard code (the original vLLM path ran).",
+         (n.LABEL_STAGE,), [(st,) for st in n.STAGES]),
+    ]
+
+
+def with_zero_counters(families: list[Metric]) -> list[Metric]:
+    """``families`` plus, at 0, every engine counter series over a closed label set that
+    they lack, so that an alert's ``increase()`` sees the very first event even when the
+    sidecar is scraped before vLLM loaded the plugin (issue 12 row 2)."""
+    by_name = {f.name: f for f in families}
+    out = list(families)
+    for name, help_text, labelnames, values in _engine_counters():
+        fam = by_name.get(name)
+        have = set()
+        if fam is not None:
+            have = {tuple(s.labels.get(l, "") for l in labelnames) for s in fam.samples if s.name == name + "_total"}
+        missing = [v for v in values if v not in have]
+        if not missing:
+            continue
+        if fam is None:
+            fam = CounterMetricFamily(name, help_text, labels=list(labelnames))
+            out.append(fam)
+            for v in missing:
+                fam.add_metric(list(v), 0.0)
+        else:
+            from prometheus_client.samples import Sample
+
+            copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            copy.samples = list(fam.samples) + [
+                Sample(name + "_total", dict(zip(labelnames, v)), 0.0) for v in missing
+            ]
+            out[out.index(fam)] = copy
+    return out
 
 
 def check_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:

@@ -93,9 +93,14 @@ def test_metrics_merge_multiprocess_files_across_pids(fake, tmp_path):
         assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0")))] == 1.0
         assert text.count("# TYPE kvguard_engine_fatal_total counter") == 1
         status = client.get("/status").json()
-        assert status["checks"] == {
-            "swa_pending_bound": {"evaluated": 7.0, "tolerated": 2.0, "violations": 1.0}
+        from kvguard.guards.names import CHECKS
+
+        zero = {"evaluated": 0.0, "tolerated": 0.0, "violations": 0.0}
+        assert status["checks"] == {  # every check exists at 0 (issue 12 row 2)
+            **{c: zero for c in CHECKS},
+            "swa_pending_bound": {"evaluated": 7.0, "tolerated": 2.0, "violations": 1.0},
         }
+        assert m[("kvguard_invariant_violations_total", (("action", "store_dropped"), ("check", "group_sizes_consistency")))] == 0.0
         assert status["policy"] == "guard"
         assert status["versions"] == {"kvguard": "0.1.0", "vllm": "0.32.0"}
 
