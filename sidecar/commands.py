@@ -13,14 +13,16 @@ from pathlib import Path
 
 import click
 
-from kvguard.sidecar.config import ConfigError, SidecarConfig, SupervisorConfig, load
+from kvguard.sidecar.runconfig import ConfigError, load_run_config
 
 __all__ = ["run", "sidecar"]
 
 
-def _load(cls: type, **given: object) -> object:
+def _load_sidecar(**given: object) -> object:
+    from kvguard.sidecar.config import SidecarConfig, load  # pydantic: not on kvguard run's path
+
     try:
-        return load(cls, **given)
+        return load(SidecarConfig, **given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
@@ -59,7 +61,7 @@ def _load(cls: type, **given: object) -> object:
 @click.option("--log-json/--log-console", default=None, help="log format [env KVGUARD_LOG_JSON; json]")
 def sidecar(**options: object) -> None:
     """Serve /metrics, /livez, /readyz, /status and /healthz for one vLLM server."""
-    cfg = _load(SidecarConfig, **options)
+    cfg = _load_sidecar(**options)
     from kvguard.sidecar.app import run_sidecar
     from kvguard.sidecar.logconfig import configure_logging
 
@@ -116,9 +118,12 @@ def run(
     engine fatal was recorded; 128+N killed by signal N; 126/127 exec failed; else the
     child's own status.
     """
-    cfg = _load(SupervisorConfig, command=tuple(command) or None, **options)
+    try:
+        cfg = load_run_config(command=tuple(command) or None, **options)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     from kvguard.sidecar.logconfig import configure_logging
     from kvguard.sidecar.supervisor import run_supervisor
 
     configure_logging(log_level, log_json)
-    ctx.exit(run_supervisor(cfg))  # type: ignore[arg-type]
+    ctx.exit(run_supervisor(cfg))

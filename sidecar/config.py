@@ -4,7 +4,9 @@ As uvicorn's ``Config``: the values and their defaults live here, in one place; 
 (:func:`kvguard.sidecar.app.create_app`) and the supervisor (:func:`kvguard.sidecar.supervisor.run_supervisor`)
 receive a config object and never read the environment themselves.
 
-Both configs are pydantic-settings models with the ``KVGUARD_`` environment prefix, so
+``SidecarConfig`` is a pydantic-settings model with the ``KVGUARD_`` environment prefix
+(``SupervisorConfig`` follows the same rules as a stdlib dataclass, in
+:mod:`kvguard.sidecar.runconfig`, because ``kvguard run`` must start vLLM fast), so
 ``KVGUARD_VLLM_URL=...`` and ``--vllm-url ...`` set the same field (a flag wins over the
 environment). A bad value raises :class:`ConfigError`, whose message names the setting
 as both its environment variable and its flag, e.g.
@@ -28,17 +30,8 @@ __all__ = [
     "load",
 ]
 
-DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
-
-
-class ConfigError(ValueError):
-    """A setting with a bad value. ``setting`` is the environment variable name."""
-
-    def __init__(self, setting: str, flag: str, reason: str) -> None:
-        self.setting = setting
-        self.flag = flag
-        self.reason = reason
-        super().__init__(f"invalid setting {setting} ({flag}): {reason}")
+# kvguard run's config is stdlib only (it runs before vLLM starts): re-exported here.
+from kvguard.sidecar.runconfig import DEFAULT_TERMINATION_LOG, ConfigError, SupervisorConfig  # noqa: E402
 
 
 class _Base(BaseSettings):
@@ -133,59 +126,18 @@ class SidecarConfig(_Base):
         return v.lower()
 
 
-class SupervisorConfig(_Base):
-    """``kvguard run -- CMD ARGS...``: the child command and how to end it.
-
-    Fields:
-
-    - ``command``: the argv to run (required, non-empty; no environment variable).
-    - ``termination_log``: where the one-line cause goes (Kubernetes'
-      ``terminationMessagePath``, default ``/dev/termination-log``); skipped quietly when
-      it cannot be written.
-    - ``grace``: seconds between the first forwarded stop signal and SIGKILL to the
-      child's process group (default 30).
-    - ``state_dir``: ``KVGUARD_STATE_DIR``; wiped at start and exported to the child.
-      ``None`` disables fatal-record detection.
-    - ``fatal_wait``: after the child exits 0 unrequested, seconds to wait for a fatal
-      record to appear (an EngineCore may still be writing it), default 0.5.
-    """
-
-    command: tuple[str, ...] = ()
-    termination_log: Path = DEFAULT_TERMINATION_LOG
-    grace: float = 30.0
-    state_dir: Path | None = None
-    fatal_wait: float = 0.5
-
-    @field_validator("command")
-    @classmethod
-    def _cmd(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v:
-            raise ValueError("no command given: kvguard run [OPTIONS] -- CMD [ARGS]...")
-        return v
-
-    @field_validator("grace")
-    @classmethod
-    def _grace(cls, v: float) -> float:
-        if not 0 <= v <= 3600:
-            raise ValueError("must be >= 0 and <= 3600 seconds")
-        return v
-
-    @field_validator("fatal_wait")
-    @classmethod
-    def _fatal_wait(cls, v: float) -> float:
-        if not 0 <= v <= 60:
-            raise ValueError("must be >= 0 and <= 60 seconds")
-        return v
-
-
 _FLAGS: dict[str, str] = {"command": "CMD"}
 
 
-def load(cls: type[_Base], **given: Any) -> Any:
+def load(cls: type, **given: Any) -> Any:
     """Build ``cls`` from the environment plus the non-``None`` keyword values.
 
     Raises :class:`ConfigError` naming the first bad setting.
     """
+    if cls is SupervisorConfig:
+        from kvguard.sidecar.runconfig import load_run_config
+
+        return load_run_config(**given)
     kwargs = {k: v for k, v in given.items() if v is not None}
     try:
         return cls(**kwargs)

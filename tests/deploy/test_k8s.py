@@ -199,7 +199,7 @@ def test_termination_messages_and_grace():
     from kvguard.sidecar.config import SupervisorConfig
 
     # kvguard run's own SIGTERM -> SIGKILL grace must end before the kubelet's
-    assert pod()["terminationGracePeriodSeconds"] > SupervisorConfig.model_fields["grace"].default
+    assert pod()["terminationGracePeriodSeconds"] > SupervisorConfig.__dataclass_fields__["grace"].default
 
 
 def test_state_dir_is_a_shared_local_emptydir():

@@ -206,3 +206,27 @@ def test_over_real_loopback_http(fake):
         server.should_exit = True
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_vllm_version_null_is_unknown_and_is_read_again_after_a_restart(fake):
+    """Issue 12 row 9: `/version` answering null gave vllm_version="None", and the version
+    was read once per sidecar life."""
+    fake.version = None
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/livez").status_code == 200)
+        busy_wait(lambda: client.get("/status").json()["engine"]["polls"] > 3)
+        m = samples(client.get("/metrics").text)
+        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "unknown")))] == 1.0
+        fake.health = 503  # the container restarts with another vLLM
+        busy_wait(lambda: client.get("/livez").status_code == 503)
+        fake.version, fake.health = "0.33.0", 200
+        busy_wait(lambda: client.get("/status").json()["versions"]["vllm"] == "0.33.0")
+
+
+def test_a_timeout_names_what_it_waited_for():
+    from kvguard.sidecar.health import _describe_error
+
+    assert _describe_error(httpx.ReadTimeout(""), 0.5) == "ReadTimeout: no answer within 0.5 s"
+    assert _describe_error(httpx.ConnectError("[Errno 111] Connection refused"), 0.5) == (
+        "ConnectError: [Errno 111] Connection refused"
+    )

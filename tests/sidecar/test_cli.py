@@ -139,3 +139,32 @@ def test_version_names_kvguard_and_the_installed_vllm(monkeypatch):
 
     monkeypatch.setattr(cli.metadata, "version", none)
     assert CliRunner().invoke(cli.main, ["--version"]).output.endswith("vLLM: not installed\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--", "python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"],
+        ["--termination-log", "/tmp/t", "--grace", "5", "--state-dir", "/s", "--fatal-wait", "1", "--", "vllm", "serve"],
+        ["--grace=7.5", "--log-console", "--log-level", "debug", "vllm", "serve", "--grace", "3"],
+        ["--log-json", "--state-dir=/x", "sh", "-c", "exit 0"],
+    ],
+)
+def test_the_fast_run_parser_agrees_with_click(captured, args, monkeypatch):
+    """kvguard.sidecar.entry parses kvguard run's usual command lines before click is
+    imported (issue 12 row 6); both parsers must build the same config."""
+    from kvguard.sidecar.entry import parse_run_args
+    from kvguard.sidecar.runconfig import load_run_config
+
+    assert invoke(["run", *args]).exit_code == 70
+    given, level, json_logs = parse_run_args(args)
+    assert load_run_config(**given) == captured["run"]
+    assert level == ("debug" if "debug" in args else "info")
+    assert json_logs is ("--log-console" not in args)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--grace"], ["--unknown", "x"], [], ["--grace", "5"]])
+def test_the_fast_run_parser_leaves_the_rest_to_click(args):
+    from kvguard.sidecar.entry import parse_run_args
+
+    assert parse_run_args(args) is None

@@ -305,3 +305,21 @@ def _one_counter_file(tmp: Path) -> str:
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     [f] = tmp.glob("counter_*.db")
     return str(f)
+
+
+# --- row 9: the sidecar's own process -----------------------------------------------------
+
+
+def test_sigterm_stops_the_sidecar_with_exit_0_and_every_log_line_is_json(fake_vllm, sidecar_proc, tmp_path):
+    import json
+
+    side = sidecar_proc(fake_vllm.url, tmp_path)
+    busy_wait(lambda: side.get("/livez").status_code == 200)
+    code, out = side.stop()
+    assert code == 0, out  # uvicorn re-raises SIGTERM after shutdown: it used to exit 143
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines, "the sidecar logged nothing"
+    events = [json.loads(line) for line in lines]  # raises on uvicorn's plain "INFO:" lines
+    assert {"Uvicorn running on http://127.0.0.1:%d (Press CTRL+C to quit)" % side.port,
+            "engine_state_changed"} <= {e["event"] for e in events}
+    assert all("timestamp" in e and "level" in e for e in events)
