@@ -82,9 +82,16 @@ def main() -> None:
             except ConfigError:
                 cfg = None  # click reports it (exit 2)
             if cfg is not None and level.lower() in ("debug", "info", "warning", "error", "critical"):
+                import os
+
                 from kvguard.sidecar.supervisor import run_supervisor
 
-                raise SystemExit(run_supervisor(cfg, log_level=level, log_json=json_logs))
+                code = run_supervisor(cfg, log_level=level, log_json=json_logs)
+                # Everything is reaped, written and logged: skip the interpreter's teardown
+                # (tens of milliseconds of module clean-up on a busy node) on the way out.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
     from kvguard.sidecar.cli import main as cli_main
 
     cli_main()
