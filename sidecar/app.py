@@ -20,8 +20,9 @@ What runs where (so that a probe never waits on metrics):
 - Reading and parsing the state dir happens in worker threads, never in the event loop.
   One scrape (:class:`Scraper`) reads every multiprocess file once and renders the text;
   concurrent ``/metrics`` requests share the scrape in flight (one worker at a time, so
-  20 scrapers cost one), and ``/status`` reuses the newest scrape when it is younger than
-  :data:`STATUS_MAX_AGE` seconds.
+  20 scrapers cost one), a scrape within :data:`METRICS_MAX_AGE` of the last read reuses
+  that read (the sidecar's own series are always fresh), and ``/status`` reuses the newest
+  scrape when it is younger than :data:`STATUS_MAX_AGE` seconds.
 - vLLM is polled by one asyncio task with ``httpx.AsyncClient`` (non-blocking sockets).
 
 No module globals: every piece of state hangs off the app built by :func:`create_app`,
@@ -68,6 +69,11 @@ __all__ = ["STATUS_MAX_AGE", "Scraper", "create_app", "run_sidecar"]
 
 #: /status reuses a scrape younger than this (seconds) instead of reading the dir again.
 STATUS_MAX_AGE = 1.0
+#: Default of ``SidecarConfig.metrics_max_age``: a scrape reuses the state-dir read of the
+#: previous one when it is younger than this (seconds); the sidecar's own series are
+#: rendered fresh every time. Prometheus scrapes every 1 s or more, so it always gets a
+#: fresh read; 20 clients scraping back to back cost two reads a second, not one each.
+METRICS_MAX_AGE = 0.5
 #: ``sys.setswitchinterval`` of the sidecar process (seconds; CPython's default is 0.005).
 SWITCH_INTERVAL = 0.0005
 
@@ -140,6 +146,7 @@ class StatusResponse(BaseModel):
     errors: dict[str, int]
     blind: bool
     unreadable: list[StateDirProblem]
+    metrics_reads: int
 
 
 class SidecarHealth(BaseModel):
@@ -173,11 +180,15 @@ class Scraper:
     sidecar's own series at render time. Never raises for state-dir problems (they go to
     ``poller.problems``)."""
 
-    def __init__(self, state: StateDir | None, poller: HealthPoller, view) -> None:
+    def __init__(self, state: StateDir | None, poller: HealthPoller, view, max_age: float = METRICS_MAX_AGE) -> None:
         self.state = state
         self.poller = poller
         self.view = view
+        self.max_age = max_age
         self.latest: ScrapeResult | None = None
+        self._read: tuple[list[Metric], float] | None = None
+        #: reads of the state dir (a scrape within ``max_age`` of the last read reuses it)
+        self.reads = 0
         #: scrapes run and requests served by them (``requests - scrapes`` shared one)
         self.scrapes = 0
         self.requests = 0
@@ -188,8 +199,14 @@ class Scraper:
         """Read, merge and render (blocking: runs in a worker thread)."""
         fams: list[Metric] = []
         if self.state is not None:
-            fams, problems = read_metrics_dir(self.state.metrics)
-            self.poller.problems.observe(problems)
+            now = time.monotonic()
+            if self._read is not None and now - self._read[1] < self.max_age:
+                fams = self._read[0]
+            else:
+                fams, problems = read_metrics_dir(self.state.metrics)
+                self.poller.problems.observe(problems)
+                self._read = (fams, now)
+                self.reads += 1
         fatal = next((f for f in fams if f.name == ENGINE_FATAL), None)
         engine = with_zero_counters([f for f in fams if f.name not in _SIDECAR_FAMILIES])
         fams = engine
@@ -260,7 +277,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             startup_budget=cfg.startup_budget,
         )
 
-    scraper = Scraper(state, poller, view)
+    scraper = Scraper(state, poller, view, max_age=cfg.metrics_max_age)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -371,6 +388,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             errors=poller.problems.totals(),
             blind=bool(listing),
             unreadable=[StateDirProblem(source=s, path=p_, reason=r) for s, p_, r in listing],
+            metrics_reads=scraper.reads,
         )
 
     @app.get(

@@ -55,6 +55,12 @@ def _load_sidecar(**given: object) -> object:
     type=float,
     help="seconds vLLM may take to come up before it counts as dead [env KVGUARD_STARTUP_BUDGET; 600]",
 )
+@click.option(
+    "--metrics-max-age",
+    default=None,
+    type=float,
+    help="seconds a state-dir read is reused by later scrapes; 0: read every scrape [env KVGUARD_METRICS_MAX_AGE; 0.5]",
+)
 @click.option("--vllm-version", default=None, help="vLLM version for kvguard_build_info [env KVGUARD_VLLM_VERSION]")
 @click.option("--policy", default=None, help="guard policy shown in /status [env KVGUARD_POLICY; guard]")
 @click.option("--log-level", default=None, help="debug|info|warning|error [env KVGUARD_LOG_LEVEL; info]")

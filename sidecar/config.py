@@ -56,6 +56,9 @@ class SidecarConfig(_Base):
       from the sidecar's start or a new ``kvguard run`` child before it counts as ``dead``
       (and ``VLLMEngineDown`` may fire); default 600 s, about the 10 minutes the vLLM
       container's startup probe allows in ``deploy/k8s`` (0 < x <= 86400).
+    - ``metrics_max_age``: a ``/metrics`` within this many seconds of the last read of
+      the state dir reuses that read (the sidecar's own series are always fresh); default
+      0.5 s, below any scrape interval; 0 reads on every scrape (0..10).
     - ``vllm_version``: reported in ``kvguard_build_info`` and /status; ``None`` reads it
       from the newest fatal record, then the installed distribution (if any), else "unknown".
     - ``policy``: the guard policy the engine runs with, as reported by /status; the same
@@ -70,6 +73,7 @@ class SidecarConfig(_Base):
     poll_interval: float = 0.2
     health_timeout: float = 0.5
     startup_budget: float = 600.0
+    metrics_max_age: float = 0.5
     vllm_version: str | None = None
     policy: str = "guard"
     log_level: str = "info"
@@ -109,6 +113,13 @@ class SidecarConfig(_Base):
     def _budget(cls, v: float) -> float:
         if not 0 < v <= 86400:
             raise ValueError("must be > 0 and <= 86400 seconds")
+        return v
+
+    @field_validator("metrics_max_age")
+    @classmethod
+    def _max_age(cls, v: float) -> float:
+        if not 0 <= v <= 10:
+            raise ValueError("must be >= 0 and <= 10 seconds")
         return v
 
     @field_validator("policy")

@@ -151,9 +151,13 @@ def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_pa
     (state.fatal / "777.json").write_text('{"exception": "Assert')  # torn record
     with TestClient(create_app(cfg(fake.url, state.root))) as client:
         busy_wait(lambda: client.get("/livez").status_code == 200)
-        for _ in range(3):  # one problem counts once, however often it is met (row 7)
-            r = client.get("/metrics")
+        scraper = client.app.state.scraper
+        for _ in range(3):  # one problem counts once, however often it is read (row 7)
+            n = scraper.reads
+            busy_wait(lambda: client.get("/metrics").status_code == 200 and scraper.reads > n)
             client.get("/status")
+        assert scraper.reads >= 3
+        r = client.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)
         assert m[("kvguard_check_evaluations_total", (("check", "x"),))] == 5.0

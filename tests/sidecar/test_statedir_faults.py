@@ -119,11 +119,17 @@ def test_a_50_mb_junk_record_is_rejected_without_being_read(fake_vllm, sidecar_p
 # --- row 7: one meaning for every error count -------------------------------------------
 
 
+def read_again(side, times: int) -> None:
+    """Make the sidecar read its metrics dir ``times`` more times (scrapes within
+    METRICS_MAX_AGE reuse a read, so wait for each new one)."""
+    for _ in range(times):
+        n = status(side)["metrics_reads"]
+        busy_wait(lambda: side.get("/metrics").status_code == 200 and status(side)["metrics_reads"] > n)
+
+
 def test_each_problem_counts_once_and_a_file_being_created_is_no_error(fake_vllm, sidecar_proc, shared_dir):
     side = sidecar_proc(fake_vllm.url, shared_dir / "not-yet")
-    for _ in range(3):
-        side.get("/metrics")
-        status(side)
+    read_again(side, 3)
     m = samples(side.get("/metrics").text)
     assert m[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] == 1.0
     assert m[("kvguard_sidecar_unreadable", (("source", "metrics_dir"),))] == 1.0
@@ -137,15 +143,14 @@ def test_each_problem_counts_once_and_a_file_being_created_is_no_error(fake_vllm
     side = sidecar_proc(fake_vllm.url, shared_dir)
     polls = status(side)["engine"]["polls"]
     busy_wait(lambda: status(side)["engine"]["polls"] >= polls + 10)  # the fatal dir read 10+ times
-    for _ in range(3):
-        side.get("/metrics")
+    read_again(side, 3)
     m = samples(side.get("/metrics").text)
     errors = {src: m[("kvguard_sidecar_errors_total", (("source", src),))] for src in ("metrics_file", "fatal_record", "metrics_dir")}
     assert errors == {"metrics_file": 1.0, "fatal_record": 1.0, "metrics_dir": 0.0}
     assert status(side)["errors"]["metrics_file"] == 1
     (state.metrics / "counter_7-1.db").unlink()  # gone: no longer unreadable; counts stay
-    m = samples(side.get("/metrics").text)
-    assert m[("kvguard_sidecar_unreadable", (("source", "metrics_file"),))] == 0.0
+    unread = ("kvguard_sidecar_unreadable", (("source", "metrics_file"),))
+    m = busy_wait(lambda: (lambda m: m if m[unread] == 0.0 else None)(samples(side.get("/metrics").text)))
     assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 1.0
 
 
