@@ -70,9 +70,10 @@ def test_install_marks_dead_pids_live_gauges_dead(fatal, tmp_path):
     dead.wait()
     metrics = StateDir(tmp_path).ensure().metrics
     for name in (f"gauge_livesum_{dead.pid}.db", f"gauge_liveall_{dead.pid}.db", f"counter_{dead.pid}.db",
+                 f"gauge_livesum_{dead.pid}-1700000000000.db", f"counter_{dead.pid}-1700000000000.db",
                  f"gauge_livesum_{__import__('os').getpid()}.db"):
         (metrics / name).write_bytes(b"")
     assert fatal.install(settings(tmp_path))
     assert sorted(p.name for p in metrics.iterdir()) == sorted(
-        [f"counter_{dead.pid}.db", f"gauge_livesum_{__import__('os').getpid()}.db"]
+        [f"counter_{dead.pid}.db", f"counter_{dead.pid}-1700000000000.db", f"gauge_livesum_{__import__('os').getpid()}.db"]
     )
