@@ -98,7 +98,7 @@ def sidecar(**options: object) -> None:
     "--state-dir",
     default=None,
     type=click.Path(path_type=Path),
-    help="state dir to wipe and export as KVGUARD_STATE_DIR [env KVGUARD_STATE_DIR; none]",
+    help="state dir to prepare (history kept), write run.json into and export as KVGUARD_STATE_DIR [env KVGUARD_STATE_DIR; none]",
 )
 @click.option(
     "--fatal-wait",
