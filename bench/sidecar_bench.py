@@ -58,9 +58,10 @@ WRITER = textwrap.dedent(
     if i % 4 == 0:
         m.tolerated("swa_pending_bound")
     m.swa_ratio(0.5 + (i % 10) / 10)
-    from kvguard.guards.sites import SITE_IDS
-    for site in list(SITE_IDS)[:8]:
-        m.site_installed(site, True)
+    # the site gauges (gauge_max file) as an EngineCore with 8 installed sites writes them;
+    # without vLLM no site is registered here, so the backend is fed directly
+    for k in range(8):
+        m._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: f"site_{k}"}, 1.0)
     """
 )
 
