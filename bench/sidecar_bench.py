@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "tests" / "sidecar"))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from sidecartools import FakeVllm, free_port  # noqa: E402
+from sidecartools import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 KVGUARD = str(BIN / "kvguard")
@@ -62,6 +62,24 @@ WRITER = textwrap.dedent(
     # without vLLM no site is registered here, so the backend is fed directly
     for k in range(8):
         m._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: f"site_{k}"}, 1.0)
+    """
+)
+
+FAKE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from sidecartools import FakeVllm
+    import http.server
+    fake = FakeVllm()
+    fake.stop()
+    # serve on the given port instead of a random one
+    import socketserver
+    class S(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        def handle_error(self, *a): pass
+    srv = S(("127.0.0.1", int(sys.argv[2])), fake.server.RequestHandlerClass)
+    srv.serve_forever()
     """
 )
 
@@ -267,19 +285,24 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     state = tmp / "state"
     files = write_state(state, args.procs)
-    fake = FakeVllm()
+    # the stand-in vLLM runs in its own process: in this one its threads would take the
+    # GIL from the timing client whenever the sidecar polls it
+    fake_port = free_port()
+    fake_proc = subprocess.Popen([sys.executable, "-c", FAKE, str(ROOT / "tests" / "sidecar"), str(fake_port)])
+    fake_url = f"http://127.0.0.1:{fake_port}"
+    wait_up(fake_url + "/health")
     side_port, bare_port = free_port(), free_port()
     # --metrics-max-age 0: every scrape reads the directory, as the bare exporter does
     # (the default 0.5 s reuse would make back-to-back requests nearly free)
     side_proc = subprocess.Popen(
-        [KVGUARD, "sidecar", "--host", "127.0.0.1", "--port", str(side_port), "--vllm-url", fake.url,
+        [KVGUARD, "sidecar", "--host", "127.0.0.1", "--port", str(side_port), "--vllm-url", fake_url,
          "--state-dir", str(state), "--log-level", "warning", "--metrics-max-age", "0",
          "--health-timeout", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     side_default_port = free_port()
     side_default = subprocess.Popen(
-        [KVGUARD, "sidecar", "--host", "127.0.0.1", "--port", str(side_default_port), "--vllm-url", fake.url,
+        [KVGUARD, "sidecar", "--host", "127.0.0.1", "--port", str(side_default_port), "--vllm-url", fake_url,
          "--state-dir", str(state), "--log-level", "warning", "--health-timeout", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -307,7 +330,8 @@ def main() -> int:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        fake.stop()
+        fake_proc.terminate()
+        fake_proc.wait(15)
     out["kvguard_run"] = run_overhead(args.runs, tmp)
     if args.json:
         print(json.dumps(out, indent=2))
