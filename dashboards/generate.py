@@ -271,6 +271,18 @@ def build_dashboard() -> dict[str, Any]:
         "kvguard and vLLM versions per pod (kvguard_build_info).",
         [_target(f"max by (instance, kvguard_version, vllm_version) (kvguard_build_info{{{KV}}})",
                  instant=True)]), w=6)
+    lay.add(_timeseries(
+        "Engine state",
+        "1 for the state the sidecar sees: starting (loading the model, within the startup budget), "
+        "up, dead (alert VLLMEngineDown after 1m), stopped (a requested stop).",
+        [_target(f"max by (state) (kvguard_engine_state{{{KV}}})", "{{state}}")]), w=12)
+    lay.add(_timeseries(
+        "Sidecar state-dir errors by source",
+        "State-dir paths the sidecar cannot read now (alert KVGuardSidecarBlind after 5m), and "
+        "problems first met in the range; /status lists each path and why.",
+        [_target(f"sum by (source) (kvguard_sidecar_unreadable{{{KV}}})", "unreadable {{source}}", "A"),
+         _target(f"sum by (source) (increase(kvguard_sidecar_errors_total{{{KV}}}{RI}))", "new {{source}}", "B")]),
+        w=12)
 
     lay.row("vLLM (its own /metrics)")
     lay.add(_timeseries(

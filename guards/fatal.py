@@ -35,8 +35,9 @@ failure came from one. Every hook calls through to vLLM whatever happens here: a
 recording error is swallowed (and counted as ``kvguard_guard_errors_total{stage="fatal"}``
 where possible); the recorder never raises and never changes vLLM's exception.
 
-At install, live-gauge multiprocess files of processes that no longer exist are removed
-with prometheus-client's ``mark_process_dead`` (its documented clean-up for dead workers).
+At install, live-gauge multiprocess files of processes that no longer exist are removed,
+as prometheus-client's ``mark_process_dead`` (its documented clean-up for dead workers)
+does, for both its ``<pid>.db`` names and kvguard's ``<pid>-<ms>.db``.
 """
 
 from __future__ import annotations
@@ -180,22 +181,27 @@ def _patch(module: Any) -> None:
 
 
 def sweep_dead_processes(metrics_dir: Path) -> list[int]:
-    """``mark_process_dead`` for every pid with files in ``metrics_dir`` that no longer
-    exists (this pid namespace). Returns those pids. Never raises."""
+    """Remove the live-gauge files (``gauge_live*_<pid>.db``, and kvguard's
+    ``gauge_live*_<pid>-<ms>.db``) of every pid with files in ``metrics_dir`` that no longer
+    exists (this pid namespace), as prometheus-client's ``mark_process_dead`` does. Counter,
+    histogram and max-gauge files stay: they carry the totals of earlier processes.
+    Returns those pids. Never raises."""
     dead: list[int] = []
     try:
-        from prometheus_client import multiprocess
-
         pids: set[int] = set()
         for f in metrics_dir.glob("*.db"):
-            tail = f.stem.rsplit("_", 1)[-1]
+            tail = f.stem.rsplit("_", 1)[-1].split("-", 1)[0]
             if tail.isdigit():
                 pids.add(int(tail))
         for pid in sorted(pids):
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                multiprocess.mark_process_dead(pid, str(metrics_dir))
+                for f in [*metrics_dir.glob(f"gauge_live*_{pid}.db"), *metrics_dir.glob(f"gauge_live*_{pid}-*.db")]:
+                    try:
+                        f.unlink()
+                    except FileNotFoundError:
+                        pass
                 dead.append(pid)
             except PermissionError:
                 pass  # exists, owned by someone else

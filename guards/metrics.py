@@ -3,13 +3,17 @@
 Two backends behind one interface (:class:`GuardMetrics`):
 
 - **state dir** (``KVGUARD_STATE_DIR`` set): prometheus-client *multiprocess* files in
-  ``$KVGUARD_STATE_DIR/metrics/`` (``counter_<pid>.db``, ``gauge_max_<pid>.db``,
-  ``histogram_<pid>.db``), written with ``prometheus_client.mmap_dict.MmapedDict`` and
-  the library's own key format, so the sidecar reads them with
-  ``MultiProcessCollector(registry, path=...)``. The directory is explicit: kvguard
-  never sets ``PROMETHEUS_MULTIPROC_DIR`` inside vLLM (vLLM uses prometheus_client
-  itself). Like ``MmapedValue``, the pid is re-checked on every write and the files are
-  reopened after a fork.
+  ``$KVGUARD_STATE_DIR/metrics/`` (``counter_<pid>-<ms>.db``, ``gauge_max_<pid>-<ms>.db``,
+  ``histogram_<pid>-<ms>.db``; ``<ms>``: unix milliseconds when this process opened its
+  files, so a restarted container whose EngineCore gets the same pid never inherits the
+  old process's counts: each process's counters stay apart and the sidecar sums them),
+  written with ``prometheus_client.mmap_dict.MmapedDict`` and the library's own key
+  format, so the sidecar reads them with ``MultiProcessCollector(registry, path=...)``.
+  Files are mode ``0o644`` and the directory ``0o2775`` whatever the umask, so the
+  sidecar's user (another uid, same ``fsGroup``) can read them. The directory is
+  explicit: kvguard never sets ``PROMETHEUS_MULTIPROC_DIR`` inside vLLM (vLLM uses
+  prometheus_client itself). Like ``MmapedValue``, the pid is re-checked on every write
+  and the files are reopened after a fork.
 - **in-process**: ordinary ``Counter``/``Gauge``/``Histogram`` objects on a registry
   (prometheus_client's default ``REGISTRY`` unless one is given).
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +82,18 @@ class _MmapBackend:
 
         self._MmapedDict = MmapedDict
         self._key = mmap_key
+        from kvguard.guards.statefile import DIR_MODE
+
         self._dir = Path(directory)
-        self._dir.mkdir(parents=True, exist_ok=True)
+        if not self._dir.is_dir():
+            self._dir.mkdir(parents=True, exist_ok=True)
+            try:
+                os.chmod(self._dir, DIR_MODE)
+            except OSError:
+                pass
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._tag = f"{self._pid}-{int(time.time() * 1000)}"
         self._files: dict[str, Any] = {}
         self._values: dict[tuple[str, str], float] = {}
 
@@ -92,9 +105,17 @@ class _MmapBackend:
             self._files.clear()
             self._values.clear()
             self._pid = pid
+            self._tag = f"{pid}-{int(time.time() * 1000)}"
         f = self._files.get(prefix)
         if f is None:
-            f = self._files[prefix] = self._MmapedDict(str(self._dir / f"{prefix}_{pid}.db"))
+            from kvguard.guards.statefile import FILE_MODE
+
+            path = self._dir / f"{prefix}_{self._tag}.db"
+            f = self._files[prefix] = self._MmapedDict(str(path))
+            try:
+                os.chmod(path, FILE_MODE)  # readable by the sidecar's user, whatever the umask
+            except OSError:
+                pass
         return f
 
     def _write(self, prefix: str, metric: str, sample: str, labels: dict[str, str], value: float | None, inc: float) -> None:

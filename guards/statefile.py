@@ -7,9 +7,22 @@ layout::
       metrics/            prometheus-client multiprocess files (``<type>_<pid>.db``),
                           written by ``guards/metrics.py``; read by the sidecar with
                           ``MultiProcessCollector(registry, path=...)``.
-      fatal/<pid>.json    one record per EngineCore process that died of an exception,
-                          written by ``guards/fatal.py``; read by ``kvguard run`` (exit
-                          status) and the sidecar (/status, /metrics).
+      fatal/<pid>-<ms>.json  one record per EngineCore process that died of an exception
+                          (``<ms>``: unix milliseconds of the record, so a pid reused by a
+                          restarted container never overwrites an older record), written
+                          by ``guards/fatal.py``; read by ``kvguard run`` (exit status) and
+                          the sidecar (/status, /metrics). Kept across ``kvguard run``
+                          starts, the newest :data:`FATAL_HISTORY` only.
+      run.json            the current ``kvguard run``: when its child started, whether a
+                          stop was requested, how it ended (:class:`RunRecord`); the
+                          sidecar reads it to tell ``starting`` and ``stopped`` from ``dead``.
+
+Modes (the sidecar runs as another user, uid 65532 in ``deploy/k8s``): directories are
+created ``0o2775`` (group-writable, setgid so new files keep the directory's group, the
+pod's ``fsGroup``), every file ``0o644``, whatever the writer's umask. A reader opens
+files with ``O_NOFOLLOW | O_NONBLOCK``, reads only regular files and at most a fixed
+number of bytes (:func:`read_bounded`): a FIFO, a device or a symlink in the state dir is
+an error, never a hang or an unbounded read.
 
 A fatal record is one JSON object (UTF-8, at most :data:`MAX_RECORD_BYTES`)::
 
@@ -31,21 +44,32 @@ This module is stdlib only: the sidecar and the supervisor import it without vLL
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "DIR_MODE",
     "FATAL_DIR",
+    "FATAL_HISTORY",
+    "FILE_MODE",
+    "RUN_FILE",
+    "RunRecord",
+    "read_bounded",
+    "read_run_record",
+    "write_run_record",
     "METRICS_DIR",
     "MAX_MESSAGE_CHARS",
     "MAX_RECORD_BYTES",
     "FatalRecord",
     "StateDir",
+    "file_kind",
     "StateFileError",
     "read_fatal_records",
     "write_fatal_record",
@@ -58,6 +82,16 @@ FATAL_DIR = "fatal"
 MAX_MESSAGE_CHARS = 2000
 #: A record file larger than this is rejected by the reader.
 MAX_RECORD_BYTES = 16 * 1024
+#: ``run.json`` is a handful of fields.
+RUN_FILE = "run.json"
+MAX_RUN_BYTES = 4 * 1024
+#: Fatal records kept across ``kvguard run`` starts (the newest, by record time).
+FATAL_HISTORY = 16
+#: Multiprocess files kept across ``kvguard run`` starts (the newest, by mtime).
+METRICS_HISTORY_FILES = 512
+#: Modes of what kvguard creates in the state dir (see the module docstring).
+DIR_MODE = 0o2775
+FILE_MODE = 0o644
 
 _REQUIRED: dict[str, tuple[type, ...]] = {
     "exception": (str,),
@@ -70,7 +104,12 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
 
 
 class StateFileError(ValueError):
-    """A state file that is truncated, not JSON, too large, or misses a field."""
+    """A state file that is truncated, not JSON, too large, not a regular file, or misses a
+    field. ``kind``: ``"corrupt"``, ``"too_large"`` or ``"not_regular"``."""
+
+    def __init__(self, message: str, kind: str = "corrupt") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -134,16 +173,71 @@ class StateDir:
     def fatal(self) -> Path:
         return self.root / FATAL_DIR
 
+    @property
+    def run(self) -> Path:
+        return self.root / RUN_FILE
+
     def ensure(self) -> StateDir:
-        """Create ``root``, ``metrics/`` and ``fatal/`` (idempotent). Raises ``OSError``."""
-        self.metrics.mkdir(parents=True, exist_ok=True)
-        self.fatal.mkdir(parents=True, exist_ok=True)
+        """Create ``root``, ``metrics/`` and ``fatal/`` (idempotent) with :data:`DIR_MODE`
+        where this process owns them. Raises ``OSError``."""
+        for d in (self.root, self.metrics, self.fatal):
+            d.mkdir(parents=True, exist_ok=True)
+            _chmod_own(d, DIR_MODE)
         return self
+
+    def prepare_run(self) -> StateDir:
+        """What ``kvguard run`` does at start, instead of wiping: :meth:`ensure`, keep the
+        newest :data:`FATAL_HISTORY` fatal records and :data:`METRICS_HISTORY_FILES`
+        multiprocess files (each process writes its own files, so the counters of earlier
+        starts stay apart and keep their totals), remove temp files. Raises ``OSError``
+        when the dirs cannot be created."""
+        self.ensure()
+        self.prune_fatal()
+        self.prune_metrics()
+        return self
+
+    def prune_metrics(self, keep: int = METRICS_HISTORY_FILES) -> list[Path]:
+        """Remove all but the newest ``keep`` ``metrics/*.db`` files (by mtime). Removing
+        a counter file lowers the merged total, which Prometheus reads as a counter reset.
+        Returns the removed paths. Never raises."""
+        try:
+            entries = [e for e in os.scandir(self.metrics) if e.name.endswith(".db")]
+            entries.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
+        except OSError:
+            return []
+        removed: list[Path] = []
+        for e in entries[: max(0, len(entries) - keep)]:
+            try:
+                os.unlink(e.path)
+                removed.append(Path(e.path))
+            except OSError:
+                pass
+        return removed
+
+    def prune_fatal(self, keep: int = FATAL_HISTORY) -> list[Path]:
+        """Remove all but the newest ``keep`` fatal records (by record time, unreadable
+        files first) and leftover temp files. Returns the removed paths. Never raises."""
+        records, _ = read_fatal_records(self, limit=None)
+        keep_names = {r_path.name for r_path in [_record_path(self, r) for r in records[-keep:]]} if keep else set()
+        removed: list[Path] = []
+        try:
+            entries = list(self.fatal.iterdir())
+        except OSError:
+            return removed
+        for entry in entries:
+            if entry.name in keep_names:
+                continue
+            try:
+                entry.unlink()
+                removed.append(entry)
+            except OSError:
+                pass
+        return removed
 
     def wipe(self) -> StateDir:
         """Remove everything inside ``root`` (not ``root`` itself: it may be a mount point),
-        then :meth:`ensure`. Used by ``kvguard run`` at start so a new pid never inherits
-        old counts or an old fatal record. Raises ``OSError``."""
+        then :meth:`ensure` (tests and tools; ``kvguard run`` keeps the history with
+        :meth:`prepare_run`). Raises ``OSError``."""
         self.root.mkdir(parents=True, exist_ok=True)
         for entry in self.root.iterdir():
             if entry.is_dir() and not entry.is_symlink():
@@ -156,29 +250,98 @@ class StateDir:
         return self.ensure()
 
 
+def _chmod_own(path: Path, mode: int) -> None:
+    """chmod ``path`` when this process owns it (another user's directory is left as is)."""
+    try:
+        if os.stat(path).st_uid == os.geteuid():
+            os.chmod(path, mode)
+    except OSError:
+        pass
+
+
+def _atomic_write(directory: Path, name: str, data: bytes, tmp_pid: int) -> Path:
+    tmp = directory / f".{name}.tmp.{tmp_pid}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # whatever the umask
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    final = directory / name
+    os.replace(tmp, final)
+    return final
+
+
+def _record_path(state: StateDir, record: FatalRecord) -> Path:
+    return state.fatal / f"{record.pid}-{int(record.time * 1000)}.json"
+
+
 def write_fatal_record(state: StateDir, record: FatalRecord) -> Path:
-    """Write ``record`` to ``fatal/<record.pid>.json`` atomically (temp + ``os.replace``).
+    """Write ``record`` to ``fatal/<pid>-<unix ms>.json`` atomically (temp +
+    ``os.replace``), mode :data:`FILE_MODE`.
 
     The temp file name carries the *current* pid (``state.pid()``, checked at call time,
     so a forked child never reuses its parent's temp name). Returns the final path.
     Raises ``OSError`` when the directory cannot be written.
     """
-    state.fatal.mkdir(parents=True, exist_ok=True)
-    final = state.fatal / f"{record.pid}.json"
-    tmp = state.fatal / f".{record.pid}.json.tmp.{state.pid()}"
+    if not state.fatal.is_dir():
+        state.fatal.mkdir(parents=True, exist_ok=True)
+        _chmod_own(state.fatal, DIR_MODE)
     data = json.dumps(asdict(record), sort_keys=True).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return final
+    return _atomic_write(state.fatal, _record_path(state, record).name, data, state.pid())
+
+
+def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK``: a symlink, FIFO, socket or device is never
+    followed, waited on or read. Raises :class:`StateFileError` (``kind`` is
+    ``"not_regular"`` or ``"too_large"``) or ``OSError`` (missing, permission denied).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
+        if st.st_size > limit:
+            raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind="too_large")
+        chunks = []
+        left = limit + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise StateFileError(f"more than {limit} bytes", kind="too_large")
+        return data
+    finally:
+        os.close(fd)
+
+
+def file_kind(mode: int) -> str:
+    """``"fifo"``, ``"character device"``, ... for an ``st_mode`` that is not a regular file."""
+    for test, name in (
+        (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+    ):
+        if test(mode):
+            return name
+    return "special file"  # pragma: no cover
 
 
 def parse_fatal_record(raw: bytes) -> FatalRecord:
     """Validate and parse one record file's bytes. Raises :class:`StateFileError`."""
     if len(raw) > MAX_RECORD_BYTES:
-        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}")
+        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}", kind="too_large")
     try:
         obj = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -202,23 +365,96 @@ def parse_fatal_record(raw: bytes) -> FatalRecord:
     )
 
 
-def read_fatal_records(state: StateDir) -> tuple[list[FatalRecord], list[str]]:
-    """Read every ``fatal/*.json``: ``(records sorted by time, errors)``.
+def read_fatal_records(
+    state: StateDir, limit: int | None = 4 * FATAL_HISTORY
+) -> tuple[list[FatalRecord], list[str]]:
+    """Read the ``fatal/*.json`` records: ``(records sorted by time, errors)``.
 
-    Never raises: a missing directory gives ``([], [])``; an unreadable, truncated or
-    malformed file is skipped and described in ``errors`` (``"<name>: <why>"``).
-    Temp files (``.*.tmp.*``) are ignored.
+    At most ``limit`` files are read (the newest by name order; ``None``: all), each at
+    most :data:`MAX_RECORD_BYTES` (:func:`read_bounded`). Never raises: a missing
+    directory gives ``([], [])``; an unreadable directory, or an unreadable, special,
+    oversized, truncated or malformed file is skipped and described in ``errors``
+    (``"<name>: <why>"``). Temp files (``.*.tmp.*``) are ignored.
     """
     records: list[FatalRecord] = []
     errors: list[str] = []
     try:
-        paths = sorted(p for p in state.fatal.glob("*.json") if not p.name.startswith("."))
-    except OSError as e:  # pragma: no cover - glob on an unreadable dir
-        return [], [f"{state.fatal}: {e}"]
-    for path in paths:
+        names = sorted(n for n in os.listdir(state.fatal) if n.endswith(".json") and not n.startswith("."))
+    except FileNotFoundError:
+        return [], []
+    except OSError as e:
+        return [], [f"{FATAL_DIR}/: {type(e).__name__}: {e.strerror or e}"]
+    if limit is not None and len(names) > limit:
+        names = sorted(names, key=_name_time)[-limit:]
+    for name in names:
         try:
-            records.append(parse_fatal_record(path.read_bytes()))
-        except (OSError, StateFileError) as e:
-            errors.append(f"{path.name}: {e}")
+            records.append(parse_fatal_record(read_bounded(state.fatal / name, MAX_RECORD_BYTES)))
+        except FileNotFoundError:
+            continue  # pruned meanwhile
+        except OSError as e:
+            errors.append(f"{name}: {type(e).__name__}: {e.strerror or e}")
+        except StateFileError as e:
+            errors.append(f"{name}: {e}")
     records.sort(key=lambda r: r.time)
     return records, errors
+
+
+def _name_time(name: str) -> tuple[int, str]:
+    stem = name[: -len(".json")]
+    tail = stem.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else 0, name)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """``run.json``: one ``kvguard run`` and its child, as the supervisor last wrote it.
+
+    - ``started``: unix seconds when the child was spawned (a new value = a new start)
+    - ``state``: ``"running"`` (child alive), ``"stopping"`` (a stop signal was forwarded)
+      or ``"exited"`` (child reaped)
+    - ``pid``: the supervisor's pid; ``child_pid``: the child's
+    - ``stop_requested``: a SIGTERM/SIGINT/SIGHUP/SIGQUIT reached the supervisor
+    - ``exit_status``: ``kvguard run``'s decided exit status once ``exited``, else ``None``
+    """
+
+    started: float
+    state: str
+    pid: int
+    child_pid: int | None = None
+    stop_requested: bool = False
+    exit_status: int | None = None
+
+    STATES = ("running", "stopping", "exited")
+
+
+def write_run_record(state: StateDir, record: RunRecord) -> Path:
+    """Write ``run.json`` atomically, mode :data:`FILE_MODE`. Raises ``OSError``."""
+    state.root.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(asdict(record), sort_keys=True).encode()
+    return _atomic_write(state.root, RUN_FILE, data, state.pid())
+
+
+def read_run_record(state: StateDir) -> RunRecord | None:
+    """``run.json``, or ``None`` when there is none (no ``kvguard run``).
+
+    Raises :class:`StateFileError` for a malformed, oversized or special file and
+    ``OSError`` when it cannot be read."""
+    try:
+        raw = read_bounded(state.run, MAX_RUN_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(raw.decode())
+        rec = RunRecord(
+            started=float(obj["started"]),
+            state=str(obj["state"]),
+            pid=int(obj["pid"]),
+            child_pid=None if obj.get("child_pid") is None else int(obj["child_pid"]),
+            stop_requested=bool(obj.get("stop_requested", False)),
+            exit_status=None if obj.get("exit_status") is None else int(obj["exit_status"]),
+        )
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StateFileError(f"not a run record: {type(e).__name__}: {e}") from None
+    if rec.state not in RunRecord.STATES:
+        raise StateFileError(f"unknown run state {rec.state!r}")
+    return rec

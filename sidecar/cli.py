@@ -19,12 +19,21 @@ command             module                                         needs
 
 from __future__ import annotations
 
-import importlib
-from importlib import metadata
+import sys
 
-import click
+if sys.argv[1:2] == ["run"]:
+    # kvguard run's first instruction: block the signals it collects before anything else
+    # is imported, so a SIGTERM during start-up is kept pending, never dropped (PID 1).
+    from kvguard.sidecar import earlysignals
 
-from kvguard.guards import names
+    earlysignals.block()
+
+import importlib  # noqa: E402
+from importlib import metadata  # noqa: E402
+
+import click  # noqa: E402
+
+from kvguard.guards import names  # noqa: E402
 
 _COMMANDS: dict[str, str] = {
     "replay": "kvguard.guards.replay.command:replay",

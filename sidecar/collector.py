@@ -1,31 +1,41 @@
 """Read side of the state dir: Prometheus metric families for one scrape.
 
-:class:`StateDirCollector` is prometheus-client's ``MultiProcessCollector`` made
-tolerant: it merges the ``*.db`` files that ``guards/metrics.py`` writes under
-``$KVGUARD_STATE_DIR/metrics`` (counters summed across pids, gauges per their
-``multiprocess_mode``), and where one file is truncated or corrupt it merges the others
-and reports the bad one instead of failing the scrape. :class:`SidecarCollector` adds the
-sidecar's own series. The app builds a fresh ``CollectorRegistry`` with both per scrape.
+:func:`read_metrics_dir` is prometheus-client's ``MultiProcessCollector`` made tolerant
+and safe: it reads each ``*.db`` file under ``$KVGUARD_STATE_DIR/metrics`` exactly once
+(bounded, regular files only, never following a symlink, never blocking on a FIFO),
+merges them as the library does (counters summed across pids, gauges per their
+``multiprocess_mode``), and where one file is truncated, corrupt, unreadable or special
+it merges the others and reports the bad one instead of failing the scrape. A zero-byte
+file, or one whose header is still 0, is a file prometheus-client is creating: skipped,
+not an error. :class:`SidecarCollector` adds the sidecar's own series.
 
 Series served (besides whatever the engine plugin writes):
 
 - ``kvguard_engine_up``                      gauge 1/0: the sidecar's view (/livez)
+- ``kvguard_engine_state{state}``            gauge: 1 for the current state (``starting``,
+  ``up``, ``dead``, ``stopped``), 0 for the others (:mod:`kvguard.sidecar.health`)
+- ``kvguard_engine_startup_budget_seconds``  gauge: how long ``starting`` may last
 - ``kvguard_engine_deaths_total``            counter: transitions into "dead"
 - ``kvguard_engine_fatal_total{exception}``  counter: fatal EngineCore exceptions. The
   engine plugin counts these in its multiprocess files; the sidecar also counts fatal
   records, and serves the larger of the two per exception, so a record whose counter
-  file was lost (or the reverse) is still counted, and nothing is counted twice.
+  file was lost (or the reverse) is still counted, and nothing is counted twice. The
+  common exception types (:data:`PRECREATED_EXCEPTIONS`) exist at 0 from the start, so
+  ``increase()`` sees their first event.
 - ``kvguard_build_info{kvguard_version,vllm_version}``  gauge, always 1
-- ``kvguard_sidecar_errors_total{source}``   counter: state-dir problems met while
-  serving (``metrics_dir`` missing, ``metrics_file`` corrupt, ``fatal_record`` corrupt,
-  ``state_dir``, ``poller``)
+- ``kvguard_sidecar_errors_total{source}``   counter: state-dir problems first met
+- ``kvguard_sidecar_unreadable{source}``     gauge: state-dir paths unreadable now
+  (:mod:`kvguard.sidecar.problems`)
 """
 
 from __future__ import annotations
 
-import glob
+import errno
+import json
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.core import (
@@ -33,31 +43,173 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     Metric,
 )
+from prometheus_client.mmap_dict import _read_all_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvguard.guards.statefile import FatalRecord
+from kvguard.guards.statefile import FatalRecord, StateFileError, file_kind
+from kvguard.sidecar.problems import SOURCES
 
 __all__ = [
     "ENGINE_FATAL",
+    "ENGINE_STATES",
     "ERROR_SOURCES",
+    "MAX_DB_BYTES",
+    "PRECREATED_EXCEPTIONS",
+    "SIDECAR_METRICS",
     "SidecarCollector",
+    "SidecarView",
     "StateDirCollector",
     "check_counts",
+    "read_metrics_dir",
+    "with_zero_counters",
 ]
 
 #: Family name of the engine fatal counter (prometheus-client strips ``_total``).
 ENGINE_FATAL = "kvguard_engine_fatal"
 #: Closed set of ``kvguard_sidecar_errors_total{source}`` values.
-ERROR_SOURCES = ("metrics_dir", "metrics_file", "fatal_record", "state_dir", "poller")
+ERROR_SOURCES = SOURCES
+#: Values of ``kvguard_engine_state{state}``.
+ENGINE_STATES = ("starting", "up", "dead", "stopped")
+#: ``kvguard_engine_fatal_total{exception}`` series that exist at 0 from the first scrape.
+PRECREATED_EXCEPTIONS = (
+    "AssertionError",
+    "RuntimeError",
+    "EngineDeadError",
+    "OutOfMemoryError",
+    "ValueError",
+    "KeyError",
+    "IndexError",
+    "TypeError",
+    "AttributeError",
+)
+#: Series names the sidecar itself exports (the alert and dashboard tests check against them).
+SIDECAR_METRICS = (
+    "kvguard_engine_up",
+    "kvguard_engine_state",
+    "kvguard_engine_startup_budget_seconds",
+    "kvguard_engine_deaths_total",
+    "kvguard_engine_fatal_total",
+    "kvguard_build_info",
+    "kvguard_sidecar_errors_total",
+    "kvguard_sidecar_unreadable",
+)
+#: A multiprocess file larger than this is not read (prometheus-client files start at
+#: 64 KiB and double when full; kvguard's hold a few hundred series).
+MAX_DB_BYTES = 16 * 1024 * 1024
+_PAGE = 4096
+
+
+class _Skip(Exception):
+    """A file being created (zero bytes, or header still 0): not an error."""
+
+
+def _read_db(dir_fd: int, name: str) -> tuple[bytes, int]:
+    """One multiprocess file's used bytes and ``used`` count, read once and bounded."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
+        size = st.st_size
+        if size == 0:
+            raise _Skip
+        if size > MAX_DB_BYTES:
+            raise StateFileError(f"{size} bytes, more than {MAX_DB_BYTES}", kind="too_large")
+        data = os.read(fd, _PAGE)
+        if len(data) < 8:
+            raise StateFileError(f"truncated header ({size} bytes)")
+        used = int.from_bytes(data[:4], "little", signed=True)
+        if used == 0:
+            raise _Skip
+        if not 8 <= used <= size:
+            raise StateFileError(f"corrupt header: used={used} outside 8..{size}")
+        while len(data) < used:
+            more = os.read(fd, used - len(data))
+            if not more:
+                raise StateFileError(f"file shrank below used={used}")
+            data += more
+        return data, used
+    finally:
+        os.close(fd)
+
+
+def read_metrics_dir(path: Path | str) -> tuple[list[Metric], dict[str, dict[str, str]]]:
+    """Merge the multiprocess files in ``path``, each read and parsed once.
+
+    Returns ``(families, problems)`` where ``problems`` is ``{"metrics_dir": {...},
+    "metrics_file": {...}}`` (``{name: reason}``). Never raises.
+    """
+    problems: dict[str, dict[str, str]] = {"metrics_dir": {}, "metrics_file": {}}
+    path = str(path)
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        problems["metrics_dir"]["metrics/"] = f"{type(e).__name__}: {e.strerror or e}"
+        return [], problems
+    try:
+        try:
+            names = sorted(n for n in os.listdir(dir_fd) if n.endswith(".db"))
+        except OSError as e:
+            problems["metrics_dir"]["metrics/"] = f"{type(e).__name__}: {e.strerror or e}"
+            return [], problems
+        metrics: dict[str, Metric] = {}
+        key_cache: dict[str, tuple] = {}
+        for name in names:
+            parts = name.split("_")
+            typ = parts[0]
+            try:
+                data, used = _read_db(dir_fd, name)
+                rows = []
+                for key, value, timestamp, _ in _read_all_values(data, used):
+                    parsed = key_cache.get(key)
+                    if parsed is None:
+                        metric_name, sample, labels, help_text = json.loads(key)
+                        parsed = key_cache[key] = (metric_name, sample, tuple(sorted(labels.items())), help_text)
+                    rows.append((parsed, value, timestamp))
+            except _Skip:
+                continue
+            except FileNotFoundError:
+                continue  # removed since the listing (a dead process's live gauge)
+            except OSError as e:
+                problems["metrics_file"][name] = f"{type(e).__name__}: {e.strerror or e}"
+                continue
+            except StateFileError as e:
+                problems["metrics_file"][name] = str(e)
+                continue
+            except Exception as e:
+                problems["metrics_file"][name] = f"{type(e).__name__}: {e}"
+                continue
+            if typ == "gauge":
+                if len(parts) < 3:
+                    problems["metrics_file"][name] = "gauge file name without a mode"
+                    continue
+                mode, pid = parts[1], parts[2][:-3]
+            for (metric_name, sample, labels_key, help_text), value, timestamp in rows:
+                metric = metrics.get(metric_name)
+                if metric is None:
+                    metric = metrics[metric_name] = Metric(metric_name, help_text, typ)
+                if typ == "gauge":
+                    metric._multiprocess_mode = mode  # type: ignore[attr-defined]
+                    metric.add_sample(sample, labels_key + (("pid", pid),), value, timestamp)
+                else:
+                    metric.add_sample(sample, labels_key, value)
+        return list(MultiProcessCollector._accumulate_metrics(metrics, True)), problems
+    finally:
+        os.close(dir_fd)
 
 
 class StateDirCollector(Collector):
-    """Merge the multiprocess files in ``path``.
+    """A ``Collector`` over :func:`read_metrics_dir` (for registries and tests).
 
     Raises ``ValueError`` at construction when ``path`` is not a directory (as
     ``MultiProcessCollector``). :meth:`collect` never raises: a file that cannot be read
-    is left out and listed in ``bad_files`` (``"<name>: <error>"``).
+    is left out and listed in ``bad_files`` (``"<name>: <reason>"``).
     """
 
     def __init__(self, path: Path | str) -> None:
@@ -66,38 +218,59 @@ class StateDirCollector(Collector):
             raise ValueError(f"metrics dir {self.path!r} is not a directory")
         self.bad_files: list[str] = []
 
-    @staticmethod
-    def _check_header(path: str) -> None:
-        """``mmap_dict``'s layout starts with a 4-byte little-endian ``used`` count that
-        includes the 8-byte header; a value outside ``8..file size`` is corruption that
-        the library would silently read as "no samples"."""
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if len(head) < 4:
-            raise ValueError(f"truncated header ({size} bytes)")
-        used = int.from_bytes(head, "little", signed=True)
-        if not 8 <= used <= size:
-            raise ValueError(f"used={used} outside 8..{size}")
-
     def collect(self) -> Iterator[Metric]:
-        good = []
-        for f in sorted(glob.glob(os.path.join(self.path, "*.db"))):
-            try:
-                self._check_header(f)
-                # Parse this file alone: a bad one must not sink the others.
-                MultiProcessCollector._read_metrics([f])
-                good.append(f)
-            except FileNotFoundError:
-                continue  # a live gauge file removed by mark_process_dead meanwhile
-            except Exception as e:
-                self.bad_files.append(f"{os.path.basename(f)}: {type(e).__name__}: {e}")
-        try:
-            metrics = list(MultiProcessCollector.merge(good, accumulate=True))
-        except Exception as e:  # pragma: no cover - files changed between check and merge
-            self.bad_files.append(f"*: {type(e).__name__}: {e}")
-            metrics = []
-        yield from metrics
+        families, problems = read_metrics_dir(self.path)
+        for name, why in sorted({**problems["metrics_dir"], **problems["metrics_file"]}.items()):
+            self.bad_files.append(f"{name}: {why}")
+        yield from families
+
+
+def _engine_counters() -> list[tuple[str, str, tuple[str, ...], list[tuple[str, ...]]]]:
+    """(family, help, label names, label values) of the engine's counters over closed
+    label sets (:mod:`kvguard.guards.names`), which the sidecar serves at 0 until the
+    plugin's files hold them."""
+    from kvguard.guards import names as n
+
+    return [
+        ("kvguard_check_evaluations", "Evaluations of kvguard's exact-invariant checks.",
+         (n.LABEL_CHECK,), [(c,) for c in n.CHECKS]),
+        ("kvguard_check_tolerated", "vLLM assertions that would have failed while the exact invariant held (continued).",
+         (n.LABEL_CHECK,), [(c,) for c in n.CHECKS]),
+        ("kvguard_invariant_violations", "Check failures that were not tolerated, by check and the action taken.",
+         (n.LABEL_CHECK, n.LABEL_ACTION), [(c, a) for c in n.CHECKS for a in n.ACTIONS]),
+        ("kvguard_guard_errors", "Exceptions raised inside kvguard code (the original vLLM path ran).",
+         (n.LABEL_STAGE,), [(st,) for st in n.STAGES]),
+    ]
+
+
+def with_zero_counters(families: list[Metric]) -> list[Metric]:
+    """``families`` plus, at 0, every engine counter series over a closed label set that
+    they lack, so that an alert's ``increase()`` sees the very first event even when the
+    sidecar is scraped before vLLM loaded the plugin (issue 12 row 2)."""
+    by_name = {f.name: f for f in families}
+    out = list(families)
+    for name, help_text, labelnames, values in _engine_counters():
+        fam = by_name.get(name)
+        have = set()
+        if fam is not None:
+            have = {tuple(s.labels.get(l, "") for l in labelnames) for s in fam.samples if s.name == name + "_total"}
+        missing = [v for v in values if v not in have]
+        if not missing:
+            continue
+        if fam is None:
+            fam = CounterMetricFamily(name, help_text, labels=list(labelnames))
+            out.append(fam)
+            for v in missing:
+                fam.add_metric(list(v), 0.0)
+        else:
+            from prometheus_client.samples import Sample
+
+            copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            copy.samples = list(fam.samples) + [
+                Sample(name + "_total", dict(zip(labelnames, v)), 0.0) for v in missing
+            ]
+            out[out.index(fam)] = copy
+    return out
 
 
 def check_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
@@ -123,10 +296,14 @@ def check_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
 
 def merge_fatal(engine: Metric | None, records: Iterable[FatalRecord]) -> CounterMetricFamily:
     """One ``kvguard_engine_fatal_total{exception}`` family: per exception, the larger of
-    the engine's own counter and the number of fatal records."""
-    counts: dict[str, float] = {}
+    the engine's own counter and the number of fatal records; the
+    :data:`PRECREATED_EXCEPTIONS` at least 0."""
+    counts: dict[str, float] = {exc: 0.0 for exc in PRECREATED_EXCEPTIONS}
+    by_records: dict[str, float] = {}
     for r in records:
-        counts[r.exception] = counts.get(r.exception, 0.0) + 1.0
+        by_records[r.exception] = by_records.get(r.exception, 0.0) + 1.0
+    for exc, n in by_records.items():
+        counts[exc] = max(counts.get(exc, 0.0), n)
     if engine is not None:
         for s in engine.samples:
             if s.name == ENGINE_FATAL + "_total" and "exception" in s.labels:
@@ -142,47 +319,82 @@ def merge_fatal(engine: Metric | None, records: Iterable[FatalRecord]) -> Counte
     return fam
 
 
-class SidecarCollector(Collector):
-    """The sidecar's own series, from a ``view()`` callable returning
-    ``(engine_up, deaths, fatal_records, errors_by_source, kvguard_version, vllm_version)``.
+@dataclass(frozen=True)
+class SidecarView:
+    """What :class:`SidecarCollector` exports, taken at one moment."""
 
-    ``engine_fatal`` is the engine's own fatal family (from :class:`StateDirCollector`),
+    state: str
+    deaths: int
+    fatal_records: tuple[FatalRecord, ...]
+    errors: dict[str, int]
+    unreadable: dict[str, int]
+    kvguard_version: str
+    vllm_version: str
+    startup_budget: float | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+
+class SidecarCollector(Collector):
+    """The sidecar's own series, from a ``view()`` callable returning a :class:`SidecarView`.
+
+    ``engine_fatal`` is the engine's own fatal family (from :func:`read_metrics_dir`),
     merged by :func:`merge_fatal`.
     """
 
-    def __init__(
-        self,
-        view: Callable[[], tuple[bool, int, list[FatalRecord], dict[str, int], str, str]],
-        engine_fatal: Metric | None = None,
-    ) -> None:
+    def __init__(self, view: Callable[[], SidecarView], engine_fatal: Metric | None = None) -> None:
         self.view = view
         self.engine_fatal = engine_fatal
 
     def collect(self) -> Iterator[Metric]:
-        up, deaths, records, errors, kv_version, vllm_version = self.view()
+        v = self.view()
         yield GaugeMetricFamily(
             "kvguard_engine_up",
             "1 while vLLM answers /health with 200 and no fatal EngineCore record appeared.",
-            value=1.0 if up else 0.0,
+            value=1.0 if v.up else 0.0,
         )
+        st = GaugeMetricFamily(
+            "kvguard_engine_state",
+            "1 for the engine's current state (starting, up, dead, stopped), else 0.",
+            labels=["state"],
+        )
+        for name in ENGINE_STATES:
+            st.add_metric([name], 1.0 if v.state == name else 0.0)
+        yield st
+        if v.startup_budget is not None:
+            yield GaugeMetricFamily(
+                "kvguard_engine_startup_budget_seconds",
+                "Seconds the engine may stay starting (loading its model) before it counts as dead.",
+                value=float(v.startup_budget),
+            )
         yield CounterMetricFamily(
             "kvguard_engine_deaths",
             "Times the engine went from up (or starting) to dead, as seen by the sidecar.",
-            value=float(deaths),
+            value=float(v.deaths),
         )
-        yield merge_fatal(self.engine_fatal, records)
+        yield merge_fatal(self.engine_fatal, v.fatal_records)
         info = GaugeMetricFamily(
             "kvguard_build_info",
             "kvguard and vLLM versions; always 1.",
             labels=["kvguard_version", "vllm_version"],
         )
-        info.add_metric([kv_version, vllm_version], 1.0)
+        info.add_metric([v.kvguard_version, v.vllm_version], 1.0)
         yield info
         err = CounterMetricFamily(
             "kvguard_sidecar_errors",
-            "State-dir problems met by the sidecar (it serves what it can).",
+            "State-dir problems the sidecar met, each counted once when first met (it serves what it can).",
             labels=["source"],
         )
         for source in ERROR_SOURCES:
-            err.add_metric([source], float(errors.get(source, 0)))
+            err.add_metric([source], float(v.errors.get(source, 0)))
         yield err
+        unread = GaugeMetricFamily(
+            "kvguard_sidecar_unreadable",
+            "State-dir paths the sidecar cannot read now, by source (it is blind to them).",
+            labels=["source"],
+        )
+        for source in ERROR_SOURCES:
+            unread.add_metric([source], float(v.unreadable.get(source, 0)))
+        yield unread

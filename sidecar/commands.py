@@ -13,14 +13,16 @@ from pathlib import Path
 
 import click
 
-from kvguard.sidecar.config import ConfigError, SidecarConfig, SupervisorConfig, load
+from kvguard.sidecar.runconfig import ConfigError, load_run_config
 
 __all__ = ["run", "sidecar"]
 
 
-def _load(cls: type, **given: object) -> object:
+def _load_sidecar(**given: object) -> object:
+    from kvguard.sidecar.config import SidecarConfig, load  # pydantic: not on kvguard run's path
+
     try:
-        return load(cls, **given)
+        return load(SidecarConfig, **given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
@@ -47,13 +49,25 @@ def _load(cls: type, **given: object) -> object:
     type=float,
     help="seconds one /health request may take [env KVGUARD_HEALTH_TIMEOUT; 0.5]",
 )
+@click.option(
+    "--startup-budget",
+    default=None,
+    type=float,
+    help="seconds vLLM may take to come up before it counts as dead [env KVGUARD_STARTUP_BUDGET; 600]",
+)
+@click.option(
+    "--metrics-max-age",
+    default=None,
+    type=float,
+    help="seconds a state-dir read is reused by later scrapes; 0: read every scrape [env KVGUARD_METRICS_MAX_AGE; 0.5]",
+)
 @click.option("--vllm-version", default=None, help="vLLM version for kvguard_build_info [env KVGUARD_VLLM_VERSION]")
 @click.option("--policy", default=None, help="guard policy shown in /status [env KVGUARD_POLICY; guard]")
 @click.option("--log-level", default=None, help="debug|info|warning|error [env KVGUARD_LOG_LEVEL; info]")
 @click.option("--log-json/--log-console", default=None, help="log format [env KVGUARD_LOG_JSON; json]")
 def sidecar(**options: object) -> None:
     """Serve /metrics, /livez, /readyz, /status and /healthz for one vLLM server."""
-    cfg = _load(SidecarConfig, **options)
+    cfg = _load_sidecar(**options)
     from kvguard.sidecar.app import run_sidecar
     from kvguard.sidecar.logconfig import configure_logging
 
@@ -84,7 +98,7 @@ def sidecar(**options: object) -> None:
     "--state-dir",
     default=None,
     type=click.Path(path_type=Path),
-    help="state dir to wipe and export as KVGUARD_STATE_DIR [env KVGUARD_STATE_DIR; none]",
+    help="state dir to prepare (history kept), write run.json into and export as KVGUARD_STATE_DIR [env KVGUARD_STATE_DIR; none]",
 )
 @click.option(
     "--fatal-wait",
@@ -110,9 +124,12 @@ def run(
     engine fatal was recorded; 128+N killed by signal N; 126/127 exec failed; else the
     child's own status.
     """
-    cfg = _load(SupervisorConfig, command=tuple(command) or None, **options)
+    try:
+        cfg = load_run_config(command=tuple(command) or None, **options)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     from kvguard.sidecar.logconfig import configure_logging
     from kvguard.sidecar.supervisor import run_supervisor
 
     configure_logging(log_level, log_json)
-    ctx.exit(run_supervisor(cfg))  # type: ignore[arg-type]
+    ctx.exit(run_supervisor(cfg))

@@ -4,7 +4,9 @@ As uvicorn's ``Config``: the values and their defaults live here, in one place; 
 (:func:`kvguard.sidecar.app.create_app`) and the supervisor (:func:`kvguard.sidecar.supervisor.run_supervisor`)
 receive a config object and never read the environment themselves.
 
-Both configs are pydantic-settings models with the ``KVGUARD_`` environment prefix, so
+``SidecarConfig`` is a pydantic-settings model with the ``KVGUARD_`` environment prefix
+(``SupervisorConfig`` follows the same rules as a stdlib dataclass, in
+:mod:`kvguard.sidecar.runconfig`, because ``kvguard run`` must start vLLM fast), so
 ``KVGUARD_VLLM_URL=...`` and ``--vllm-url ...`` set the same field (a flag wins over the
 environment). A bad value raises :class:`ConfigError`, whose message names the setting
 as both its environment variable and its flag, e.g.
@@ -28,17 +30,8 @@ __all__ = [
     "load",
 ]
 
-DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
-
-
-class ConfigError(ValueError):
-    """A setting with a bad value. ``setting`` is the environment variable name."""
-
-    def __init__(self, setting: str, flag: str, reason: str) -> None:
-        self.setting = setting
-        self.flag = flag
-        self.reason = reason
-        super().__init__(f"invalid setting {setting} ({flag}): {reason}")
+# kvguard run's config is stdlib only (it runs before vLLM starts): re-exported here.
+from kvguard.sidecar.runconfig import DEFAULT_TERMINATION_LOG, ConfigError, SupervisorConfig  # noqa: E402
 
 
 class _Base(BaseSettings):
@@ -59,6 +52,13 @@ class SidecarConfig(_Base):
     - ``poll_interval``: seconds between polls of vLLM's ``/health`` (default 0.2 s; /livez
       turns 503 within ``poll_interval + health_timeout`` of vLLM failing its health check).
     - ``health_timeout``: seconds one health request may take before it counts as failed.
+    - ``startup_budget``: seconds the engine may stay ``starting`` (loading its model)
+      from the sidecar's start or a new ``kvguard run`` child before it counts as ``dead``
+      (and ``VLLMEngineDown`` may fire); default 600 s, about the 10 minutes the vLLM
+      container's startup probe allows in ``deploy/k8s`` (0 < x <= 86400).
+    - ``metrics_max_age``: a ``/metrics`` within this many seconds of the last read of
+      the state dir reuses that read (the sidecar's own series are always fresh); default
+      0.5 s, below any scrape interval; 0 reads on every scrape (0..10).
     - ``vllm_version``: reported in ``kvguard_build_info`` and /status; ``None`` reads it
       from the newest fatal record, then the installed distribution (if any), else "unknown".
     - ``policy``: the guard policy the engine runs with, as reported by /status; the same
@@ -72,6 +72,8 @@ class SidecarConfig(_Base):
     port: int = Field(default=9400)
     poll_interval: float = 0.2
     health_timeout: float = 0.5
+    startup_budget: float = 600.0
+    metrics_max_age: float = 0.5
     vllm_version: str | None = None
     policy: str = "guard"
     log_level: str = "info"
@@ -106,6 +108,20 @@ class SidecarConfig(_Base):
             raise ValueError("must be > 0 and <= 30 seconds")
         return v
 
+    @field_validator("startup_budget")
+    @classmethod
+    def _budget(cls, v: float) -> float:
+        if not 0 < v <= 86400:
+            raise ValueError("must be > 0 and <= 86400 seconds")
+        return v
+
+    @field_validator("metrics_max_age")
+    @classmethod
+    def _max_age(cls, v: float) -> float:
+        if not 0 <= v <= 10:
+            raise ValueError("must be >= 0 and <= 10 seconds")
+        return v
+
     @field_validator("policy")
     @classmethod
     def _policy(cls, v: str) -> str:
@@ -121,59 +137,18 @@ class SidecarConfig(_Base):
         return v.lower()
 
 
-class SupervisorConfig(_Base):
-    """``kvguard run -- CMD ARGS...``: the child command and how to end it.
-
-    Fields:
-
-    - ``command``: the argv to run (required, non-empty; no environment variable).
-    - ``termination_log``: where the one-line cause goes (Kubernetes'
-      ``terminationMessagePath``, default ``/dev/termination-log``); skipped quietly when
-      it cannot be written.
-    - ``grace``: seconds between the first forwarded stop signal and SIGKILL to the
-      child's process group (default 30).
-    - ``state_dir``: ``KVGUARD_STATE_DIR``; wiped at start and exported to the child.
-      ``None`` disables fatal-record detection.
-    - ``fatal_wait``: after the child exits 0 unrequested, seconds to wait for a fatal
-      record to appear (an EngineCore may still be writing it), default 0.5.
-    """
-
-    command: tuple[str, ...] = ()
-    termination_log: Path = DEFAULT_TERMINATION_LOG
-    grace: float = 30.0
-    state_dir: Path | None = None
-    fatal_wait: float = 0.5
-
-    @field_validator("command")
-    @classmethod
-    def _cmd(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v:
-            raise ValueError("no command given: kvguard run [OPTIONS] -- CMD [ARGS]...")
-        return v
-
-    @field_validator("grace")
-    @classmethod
-    def _grace(cls, v: float) -> float:
-        if not 0 <= v <= 3600:
-            raise ValueError("must be >= 0 and <= 3600 seconds")
-        return v
-
-    @field_validator("fatal_wait")
-    @classmethod
-    def _fatal_wait(cls, v: float) -> float:
-        if not 0 <= v <= 60:
-            raise ValueError("must be >= 0 and <= 60 seconds")
-        return v
-
-
 _FLAGS: dict[str, str] = {"command": "CMD"}
 
 
-def load(cls: type[_Base], **given: Any) -> Any:
+def load(cls: type, **given: Any) -> Any:
     """Build ``cls`` from the environment plus the non-``None`` keyword values.
 
     Raises :class:`ConfigError` naming the first bad setting.
     """
+    if cls is SupervisorConfig:
+        from kvguard.sidecar.runconfig import load_run_config
+
+        return load_run_config(**given)
     kwargs = {k: v for k, v in given.items() if v is not None}
     try:
         return cls(**kwargs)

@@ -6,7 +6,9 @@ The loop, as tini's ``main``:
    collected by :func:`signal.sigtimedwait`, never delivered to handlers; become a child
    subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) so orphaned grandchildren (an EngineCore
    whose API server was killed) are reparented to us and reaped; warn when neither PID 1
-   nor a subreaper. Wipe the state dir and export ``KVGUARD_STATE_DIR`` to the child.
+   nor a subreaper. Prepare the state dir (keep the newest fatal records and metrics
+   files of earlier starts: :meth:`kvguard.guards.statefile.StateDir.prepare_run`), write
+   ``run.json`` (``running``, the start time) and export ``KVGUARD_STATE_DIR`` to the child.
 2. Spawn: ``os.posix_spawnp`` with the *original* signal mask, default dispositions for
    the forwarded signals, and a new process group (``setpgroup=0``). A failed exec is
    reported as 127 (not found) or 126 (not executable).
@@ -18,9 +20,14 @@ The loop, as tini's ``main``:
    only the main child's status counts. Each reaped pid's live multiprocess gauge files
    are removed (prometheus-client's ``mark_process_dead``, as gunicorn's ``child_exit``).
 4. After the main child is reaped: the rest of its process group (orphaned EngineCore,
-   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record (if any)
-   is read; :func:`kvguard.sidecar.exitcode.decide_exit` picks the status and the cause goes to
-   the termination log.
+   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record of this
+   start (recorded at or after ``run.json``'s ``started``), if any, is read;
+   :func:`kvguard.sidecar.exitcode.decide_exit` picks the status, the cause goes to the
+   termination log and ``run.json`` says ``exited``.
+
+``run.json`` (:class:`kvguard.guards.statefile.RunRecord`) tells the sidecar a new start
+(fresh startup budget), a requested stop (``stopping``: the engine is ``stopped``, not
+``dead``) and the end. Writing it never changes the exit status.
 
 vLLM #48966 is why this exists: the API server exits 0 when EngineCore dies.
 """
@@ -35,19 +42,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import structlog
-
-from kvguard.guards.statefile import FatalRecord, StateDir, read_fatal_records
-from kvguard.sidecar.config import SupervisorConfig
+from kvguard.guards.statefile import (
+    FatalRecord,
+    RunRecord,
+    StateDir,
+    read_fatal_records,
+    write_run_record,
+)
+from kvguard.sidecar.runconfig import SupervisorConfig
 from kvguard.sidecar.exitcode import Exit, decide_exit, signal_name
 from kvguard.sidecar.termination import write_termination_message
 
 __all__ = ["FORWARDED", "STOP_SIGNALS", "TICK", "Supervisor", "run_supervisor"]
 
-#: Signals that request a stop: forwarded, remembered, and start the grace clock.
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
-#: Every signal forwarded to the main child.
-FORWARDED = STOP_SIGNALS | {signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH}
+from kvguard.sidecar import earlysignals
+from kvguard.sidecar.earlysignals import FORWARDED, STOP_SIGNALS
 #: Longest wait for a signal before re-checking deadlines (tini waits one second).
 TICK = 0.1
 #: Longest wait for the leftovers of the child's process group after the child exited.
@@ -55,7 +64,47 @@ LEFTOVER_WAIT = 5.0
 
 _PR_SET_CHILD_SUBREAPER = 36
 
-log = structlog.get_logger("kvguard.run")
+class _DeferredLog:
+    """structlog's logger for ``kvguard run``, imported only after the child started.
+
+    Importing structlog (and configuring it) costs more than the whole start-up budget of
+    ``kvguard run`` on a busy node, so events before :meth:`attach` are kept and replayed,
+    in order, once it is called (the supervisor calls it right after the spawn). Methods:
+    ``info``, ``warning``, ``error`` with structlog's ``(event, **kw)``."""
+
+    def __init__(self) -> None:
+        self._real = None
+        self._held: list[tuple[str, str, dict]] = []
+
+    def attach(self, configure=None) -> None:
+        if self._real is not None:
+            return
+        if configure is not None:
+            configure()
+        import structlog
+
+        self._real = structlog.get_logger("kvguard.run")
+        held, self._held = self._held, []
+        for level, event, kw in held:
+            getattr(self._real, level)(event, **kw)
+
+    def _emit(self, level: str, event: str, **kw: object) -> None:
+        if self._real is None:
+            self._held.append((level, event, kw))
+        else:
+            getattr(self._real, level)(event, **kw)
+
+    def info(self, event: str, **kw: object) -> None:
+        self._emit("info", event, **kw)
+
+    def warning(self, event: str, **kw: object) -> None:
+        self._emit("warning", event, **kw)
+
+    def error(self, event: str, **kw: object) -> None:
+        self._emit("error", event, **kw)
+
+
+log = _DeferredLog()
 
 
 def _set_subreaper() -> bool:
@@ -69,13 +118,15 @@ def _set_subreaper() -> bool:
 
 
 def _mark_dead(metrics_dir: Path | None, pid: int) -> None:
-    if metrics_dir is None or not metrics_dir.is_dir():
+    """prometheus-client's ``mark_process_dead``: remove the pid's ``gauge_live*`` files
+    (both ``<pid>.db`` and kvguard's ``<pid>-<ms>.db`` names). Done here with a glob, not
+    by importing prometheus-client, which would add a tenth of a second to every stop."""
+    if metrics_dir is None:
         return
     try:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid, str(metrics_dir))
-    except Exception as e:  # never let cleanup change the exit status
+        for f in list(metrics_dir.glob(f"gauge_live*_{pid}.db")) + list(metrics_dir.glob(f"gauge_live*_{pid}-*.db")):
+            f.unlink(missing_ok=True)
+    except OSError as e:  # never let cleanup change the exit status
         log.warning("mark_process_dead_failed", pid=pid, error=str(e))
 
 
@@ -85,12 +136,15 @@ class Supervisor:
     driven by :meth:`run`. Must run in the main thread (it changes the signal mask)."""
 
     config: SupervisorConfig
+    #: called once right after the spawn (or the failed spawn), e.g. to set up logging
+    after_spawn: object = None
     child_pid: int | None = None
     child_status: int | None = None
     stop_requested: bool = False
     stop_signal: int | None = None
     kill_deadline: float | None = None
     killed: bool = False
+    started: float | None = None
     reaped_orphans: list[int] = field(default_factory=list)
 
     @property
@@ -108,10 +162,29 @@ class Supervisor:
         if state is None:
             return
         try:
-            state.wipe()
-            log.info("state_dir_wiped", state_dir=str(state.root))
+            state.prepare_run()
+            log.info("state_dir_prepared", state_dir=str(state.root))
         except OSError as e:
             log.warning("state_dir_unusable", state_dir=str(state.root), error=str(e))
+
+    def _write_run(self, run_state: str, exit_status: int | None = None) -> None:
+        state = self.state
+        if state is None or self.started is None:
+            return
+        try:
+            write_run_record(
+                state,
+                RunRecord(
+                    started=self.started,
+                    state=run_state,
+                    pid=os.getpid(),
+                    child_pid=self.child_pid,
+                    stop_requested=self.stop_requested,
+                    exit_status=exit_status,
+                ),
+            )
+        except OSError as e:
+            log.warning("run_record_not_written", error=str(e))
 
     def _spawn(self, old_mask: set[int]) -> None:
         cmd = list(self.config.command)
@@ -125,13 +198,23 @@ class Supervisor:
         )
         log.info("child_started", pid=self.child_pid, command=cmd[:8])
 
+    def _after_spawn(self) -> None:
+        hook, self.after_spawn = self.after_spawn, None
+        try:
+            log.attach(hook if callable(hook) else None)
+        except Exception:  # pragma: no cover - logging must never stop the supervisor
+            pass
+
     def _forward(self, sig: int) -> None:
         assert self.child_pid is not None
         if sig in STOP_SIGNALS:
-            if not self.stop_requested:
+            first = not self.stop_requested
+            if first:
                 self.kill_deadline = time.monotonic() + self.config.grace
             self.stop_requested = True
             self.stop_signal = self.stop_signal or sig
+            if first:
+                self._write_run("stopping")
         try:
             os.kill(self.child_pid, sig)
             log.info("signal_forwarded", signal=signal_name(sig), pid=self.child_pid)
@@ -200,10 +283,12 @@ class Supervisor:
             else 0.0
         )
         deadline = time.monotonic() + wait
+        since = self.started if self.started is not None else float("-inf")
         while True:
             records, errors = read_fatal_records(state)
             for err in errors:
                 log.warning("fatal_record_unreadable", error=err)
+            records = [r for r in records if r.time >= since]  # this start's only
             if records or time.monotonic() >= deadline:
                 return records[-1] if records else None
             time.sleep(0.05)
@@ -214,17 +299,37 @@ class Supervisor:
         Blocks the forwarded signals and SIGCHLD for the duration and restores the mask
         after. Never raises for anything the child does.
         """
-        sigset = set(FORWARDED) | {signal.SIGCHLD}
-        if os.getpid() != 1 and not _set_subreaper():
-            log.warning("not_pid1_nor_subreaper", detail="orphaned grandchildren are not reaped")
+        sigset = set(earlysignals.COLLECTED)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigset)
+        early = earlysignals.original_mask()
+        child_mask = set(early) if early is not None else set(old_mask)
         try:
+            if os.getpid() != 1 and not _set_subreaper():
+                log.warning("not_pid1_nor_subreaper", detail="orphaned grandchildren are not reaped")
             self._prepare_state_dir()
+            self.started = time.time()
+            pending = signal.sigpending() & STOP_SIGNALS
+            if pending:
+                # a stop arrived while starting up (kept pending by the early block): stop
+                # cleanly without starting the child at all
+                sig = signal.sigtimedwait(pending, 0)
+                self.stop_requested = True
+                self.stop_signal = sig.si_signo if sig is not None else min(pending)
+                log.attach()
+                log.info("stopped_before_start", signal=signal_name(self.stop_signal))
+                result = Exit(0, f"stopped on request ({signal_name(self.stop_signal)}) before the child started")
+                self._write_run("exited", result.code)
+                return result
+            self._write_run("running")
             try:
-                self._spawn(set(old_mask))
+                self._spawn(child_mask)
             except OSError as e:
+                self._after_spawn()
                 log.error("exec_failed", command=list(self.config.command), error=str(e))
-                return decide_exit(None, False, None, exec_error=e)
+                result = decide_exit(None, False, None, exec_error=e)
+                self._write_run("exited", result.code)
+                return result
+            self._after_spawn()
             while self.child_status is None:
                 timeout = TICK
                 if self.kill_deadline is not None and not self.killed:
@@ -238,7 +343,9 @@ class Supervisor:
                 self._wait_signals(sigset, timeout)
                 self._reap()
             self._finish_group(sigset)
-            return decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+            result = decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+            self._write_run("exited", result.code)
+            return result
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
@@ -251,13 +358,24 @@ def _describe(status: int) -> dict[str, object]:
     return {"wait_status": status}  # pragma: no cover
 
 
-def run_supervisor(config: SupervisorConfig) -> int:
+def run_supervisor(config: SupervisorConfig, log_level: str | None = None, log_json: bool = True) -> int:
     """Run ``config.command`` under the supervisor; return the exit status (0..255).
 
+    ``log_level``: when given, logging is configured (:func:`kvguard.sidecar.logconfig.configure_logging`)
+    right after the child started, not before; ``None``: the caller configured it.
     Writes the one-line cause to ``config.termination_log`` (quietly skipped when not
     writable) and logs it as ``kvguard_run_exit``.
     """
-    result = Supervisor(config).run()
+    configure = None
+    if log_level is not None:
+
+        def configure() -> None:
+            from kvguard.sidecar.logconfig import configure_logging
+
+            configure_logging(log_level, log_json)
+
+    result = Supervisor(config, after_spawn=configure).run()
+    log.attach()
     written = write_termination_message(config.termination_log, result.cause)
     log.info(
         "kvguard_run_exit",

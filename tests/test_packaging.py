@@ -29,4 +29,4 @@ def test_wheel_installs_only_the_kvguard_namespace(tmp_path):
     assert {"kvguard/guards/plugin.py", "kvguard/sidecar/cli.py",
             "kvguard/guards/replay/traces/seed-48959.jsonl"} <= set(names)
     assert "kvguard = kvguard.guards.plugin:register" in entry_points
-    assert "kvguard = kvguard.sidecar.cli:main" in entry_points
+    assert "kvguard = kvguard.sidecar.entry:main" in entry_points  # fast path for kvguard run (issue 12 row 6)

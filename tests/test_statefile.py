@@ -30,7 +30,7 @@ def test_round_trip_keeps_every_field(tmp_path):
     state = StateDir(tmp_path).ensure()
     rec = FatalRecord("AssertionError", "bound 129 > 128", "swa_pending_bound", 1700.5, 42, "0.25.1", "running")
     path = write_fatal_record(state, rec)
-    assert path == tmp_path / "fatal" / "42.json"
+    assert path == tmp_path / "fatal" / "42-1700500.json"  # <pid>-<unix ms>: a reused pid never overwrites
     assert json.loads(path.read_text()) == {
         "exception": "AssertionError",
         "message": "bound 129 > 128",
@@ -57,7 +57,7 @@ def test_temp_name_uses_the_current_pid_and_is_gone_after_replace(tmp_path):
     state = StateDir(tmp_path, pid=lambda: next(pids))
     write_fatal_record(state, record(9))
     write_fatal_record(state, record(10))
-    assert sorted(p.name for p in (tmp_path / "fatal").iterdir()) == ["10.json", "9.json"]
+    assert sorted(p.name for p in (tmp_path / "fatal").iterdir()) == ["10-1000.json", "9-1000.json"]
 
 
 def test_leftover_temp_file_is_ignored(tmp_path):

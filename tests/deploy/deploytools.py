@@ -104,13 +104,15 @@ def metric_names(expr: str) -> set[str]:
 
 
 def kvguard_exposed_names() -> set[str]:
-    """Every series name kvguard's exporter can expose, from kvguard.guards.names (the contract).
+    """Every series name kvguard's exporter can expose, from kvguard.guards.names and the
+    sidecar's own list (kvguard.sidecar.collector.SIDECAR_METRICS): the contract.
 
     Histograms expand to _bucket/_sum/_count; counters are already spelled with _total.
     """
     from kvguard.guards import names
+    from kvguard.sidecar.collector import SIDECAR_METRICS
 
-    out: set[str] = set()
+    out: set[str] = set(SIDECAR_METRICS)
     histograms = {names.METRIC_SWA_PENDING_BOUND_RATIO}  # docs/ARCHITECTURE.md: the one histogram
     for attr, value in vars(names).items():
         if attr.startswith("METRIC_") and isinstance(value, str):

@@ -23,6 +23,7 @@ EXPECTED = {
     "VLLMEngineRestartLoop": ("warning", "1m"),
     "KVGuardGuardErrors": ("warning", "5m"),
     "KVGuardSidecarDown": ("warning", "5m"),
+    "KVGuardSidecarBlind": ("warning", "5m"),
 }
 RUNBOOK_PREFIX = "https://github.com/kvguard/kvguard/blob/main/docs/runbooks/"
 
@@ -35,7 +36,7 @@ def _rules() -> list[dict]:
 def test_promtool_check_rules_accepts_the_rules_file():
     res = run([promtool(), "check", "rules", str(DASHBOARDS / "alerts.yaml")])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 6 rules found" in res.stdout + res.stderr
+    assert "SUCCESS: 7 rules found" in res.stdout + res.stderr
 
 
 def test_promtool_unit_tests_pass():

@@ -125,7 +125,7 @@ def test_prometheus_rule_spec_is_the_rules_file(tmp_path):
     f.write_text(yaml.safe_dump(spec))
     res = run([promtool(), "check", "rules", str(f)])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 6 rules found" in res.stdout + res.stderr
+    assert "SUCCESS: 7 rules found" in res.stdout + res.stderr
 
 
 def test_dashboard_configmap_for_the_grafana_sidecar():
@@ -199,7 +199,7 @@ def test_termination_messages_and_grace():
     from kvguard.sidecar.config import SupervisorConfig
 
     # kvguard run's own SIGTERM -> SIGKILL grace must end before the kubelet's
-    assert pod()["terminationGracePeriodSeconds"] > SupervisorConfig.model_fields["grace"].default
+    assert pod()["terminationGracePeriodSeconds"] > SupervisorConfig.__dataclass_fields__["grace"].default
 
 
 def test_state_dir_is_a_shared_local_emptydir():
@@ -256,3 +256,17 @@ def test_service_and_servicemonitor_wiring():
     assert jobs == {"http": "vllm", "metrics": "kvguard"}
     sidecar_down = next(r for r in alerts()["groups"][0]["rules"] if r["alert"] == "KVGuardSidecarDown")
     assert 'up{job="kvguard"}' in sidecar_down["expr"]
+
+
+def test_state_dir_is_shared_by_fs_group_with_the_sidecar_user():
+    """Issue 12 row 3: the sidecar (uid 65532) reads what a root vLLM writes because the
+    pod's fsGroup is the sidecar's group and kvguard writes 2775 / 0644."""
+    [dep] = [d for d in rendered() if d["kind"] == "Deployment"]
+    spec = dep["spec"]["template"]["spec"]
+    [sidecar] = spec["initContainers"]
+    assert spec["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"] == 65532
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    vllm = spec["containers"][0]
+    probe = vllm["startupProbe"]
+    load_budget = probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"]
+    assert float(env["KVGUARD_STARTUP_BUDGET"]) == load_budget  # row 1: the same ~10 minutes

@@ -18,3 +18,28 @@ def kvguard_run():
     yield start
     for run in started:
         run.kill()
+
+
+@pytest.fixture
+def fake_vllm():
+    from sidecartools import FakeVllm
+
+    f = FakeVllm()
+    yield f
+    f.stop()
+
+
+@pytest.fixture
+def sidecar_proc():
+    from sidecartools import SidecarProc
+
+    started: list[SidecarProc] = []
+
+    def start(*args, **kw) -> SidecarProc:
+        side = SidecarProc(*args, **kw)
+        started.append(side)
+        return side
+
+    yield start
+    for side in started:
+        side.kill()

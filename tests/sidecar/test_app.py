@@ -93,9 +93,14 @@ def test_metrics_merge_multiprocess_files_across_pids(fake, tmp_path):
         assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0")))] == 1.0
         assert text.count("# TYPE kvguard_engine_fatal_total counter") == 1
         status = client.get("/status").json()
-        assert status["checks"] == {
-            "swa_pending_bound": {"evaluated": 7.0, "tolerated": 2.0, "violations": 1.0}
+        from kvguard.guards.names import CHECKS
+
+        zero = {"evaluated": 0.0, "tolerated": 0.0, "violations": 0.0}
+        assert status["checks"] == {  # every check exists at 0 (issue 12 row 2)
+            **{c: zero for c in CHECKS},
+            "swa_pending_bound": {"evaluated": 7.0, "tolerated": 2.0, "violations": 1.0},
         }
+        assert m[("kvguard_invariant_violations_total", (("action", "store_dropped"), ("check", "group_sizes_consistency")))] == 0.0
         assert status["policy"] == "guard"
         assert status["versions"] == {"kvguard": "0.1.0", "vllm": "0.32.0"}
 
@@ -142,17 +147,30 @@ def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_pa
 
     write_mp(state.metrics, "Counter('kvguard_check_evaluations', 'h', ['check']).labels('x').inc(5)\n")
     (state.metrics / "counter_999999.db").write_bytes(b"\xff" * 64)  # corrupt
-    (state.metrics / "gauge_max_999998.db").write_bytes(b"")  # truncated to nothing
+    (state.metrics / "gauge_max_999998.db").write_bytes(b"")  # being created: not an error
     (state.fatal / "777.json").write_text('{"exception": "Assert')  # torn record
     with TestClient(create_app(cfg(fake.url, state.root))) as client:
         busy_wait(lambda: client.get("/livez").status_code == 200)
+        scraper = client.app.state.scraper
+        for _ in range(3):  # one problem counts once, however often it is read (row 7)
+            n = scraper.reads
+            busy_wait(lambda: client.get("/metrics").status_code == 200 and scraper.reads > n)
+            client.get("/status")
+        assert scraper.reads >= 3
         r = client.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)
         assert m[("kvguard_check_evaluations_total", (("check", "x"),))] == 5.0
-        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 2.0
+        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 1.0
+        assert m[("kvguard_sidecar_unreadable", (("source", "metrics_file"),))] == 1.0
         assert m[("kvguard_sidecar_errors_total", (("source", "fatal_record"),))] == 1.0
-        assert client.get("/status").json()["last_fatal"] is None
+        status = client.get("/status").json()
+        assert status["last_fatal"] is None
+        assert status["errors"]["metrics_file"] == 1 and status["errors"]["fatal_record"] == 1
+        assert status["blind"] is True
+        assert [(u["source"], u["path"]) for u in status["unreadable"]] == [
+            ("fatal_record", "777.json"), ("metrics_file", "counter_999999.db"),
+        ]
 
 
 def test_healthz_and_openapi(fake):
@@ -187,8 +205,34 @@ def test_over_real_loopback_http(fake):
         assert "kvguard_engine_up 1.0" in httpx.get(base + "/metrics").text
         fake.stop()  # the API server process is gone: connection refused
         busy_wait(lambda: get("/livez") == 503, timeout=5)
-        assert httpx.get(base + "/status").json()["engine"]["error"].startswith("ConnectError")
+        # the poll in flight when the server went away may end in ReadError (its kept-alive
+        # connection closed); the next ones are refused
+        busy_wait(lambda: (httpx.get(base + "/status").json()["engine"]["error"] or "").startswith("ConnectError"), timeout=5)
     finally:
         server.should_exit = True
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_vllm_version_null_is_unknown_and_is_read_again_after_a_restart(fake):
+    """Issue 12 row 9: `/version` answering null gave vllm_version="None", and the version
+    was read once per sidecar life."""
+    fake.version = None
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/livez").status_code == 200)
+        busy_wait(lambda: client.get("/status").json()["engine"]["polls"] > 3)
+        m = samples(client.get("/metrics").text)
+        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "unknown")))] == 1.0
+        fake.health = 503  # the container restarts with another vLLM
+        busy_wait(lambda: client.get("/livez").status_code == 503)
+        fake.version, fake.health = "0.33.0", 200
+        busy_wait(lambda: client.get("/status").json()["versions"]["vllm"] == "0.33.0")
+
+
+def test_a_timeout_names_what_it_waited_for():
+    from kvguard.sidecar.health import _describe_error
+
+    assert _describe_error(httpx.ReadTimeout(""), 0.5) == "ReadTimeout: no answer within 0.5 s"
+    assert _describe_error(httpx.ConnectError("[Errno 111] Connection refused"), 0.5) == (
+        "ConnectError: [Errno 111] Connection refused"
+    )

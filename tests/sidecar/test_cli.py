@@ -41,7 +41,7 @@ def test_sidecar_defaults(captured):
     assert captured["sidecar"] == SidecarConfig(
         vllm_url="http://127.0.0.1:8000", state_dir=None, host="0.0.0.0", port=9400,
         poll_interval=0.2, health_timeout=0.5, vllm_version=None, policy="guard",
-        log_level="info", log_json=True,
+        log_level="info", log_json=True, startup_budget=600.0, metrics_max_age=0.5,
     )
 
 
@@ -50,9 +50,11 @@ def test_sidecar_flags_map_one_to_one(captured, tmp_path):
         "sidecar", "--vllm-url", "http://10.0.0.1:8001/", "--state-dir", str(tmp_path),
         "--host", "127.0.0.1", "--port", "9500", "--poll-interval", "0.1", "--health-timeout", "0.3",
         "--vllm-version", "0.33.0", "--policy", "strict", "--log-level", "DEBUG", "--log-console",
+        "--startup-budget", "900", "--metrics-max-age", "0",
     ])
     assert r.exit_code == 0, r.output
     cfg = captured["sidecar"]
+    assert (cfg.startup_budget, cfg.metrics_max_age) == (900.0, 0.0)
     assert (cfg.vllm_url, cfg.state_dir, cfg.host, cfg.port) == ("http://10.0.0.1:8001", tmp_path, "127.0.0.1", 9500)
     assert (cfg.poll_interval, cfg.health_timeout, cfg.vllm_version) == (0.1, 0.3, "0.33.0")
     assert (cfg.policy, cfg.log_level, cfg.log_json) == ("strict", "debug", False)
@@ -73,6 +75,8 @@ def test_environment_is_the_fallback_and_flags_win(captured, tmp_path):
         (["--vllm-url", "localhost:8000"], {}, "invalid setting KVGUARD_VLLM_URL (--vllm-url): must be an http(s) URL"),
         ([], {"KVGUARD_POLICY": "yolo"}, "invalid setting KVGUARD_POLICY (--policy): must be one of observe, guard, strict"),
         ([], {"KVGUARD_PORT": "x"}, "invalid setting KVGUARD_PORT (--port): Input should be a valid integer"),
+        (["--startup-budget", "0"], {}, "invalid setting KVGUARD_STARTUP_BUDGET (--startup-budget): must be > 0"),
+        ([], {"KVGUARD_METRICS_MAX_AGE": "-1"}, "invalid setting KVGUARD_METRICS_MAX_AGE (--metrics-max-age): must be >= 0"),
     ],
 )
 def test_bad_sidecar_setting_fails_at_start_naming_it(captured, args, env, message):
@@ -139,3 +143,32 @@ def test_version_names_kvguard_and_the_installed_vllm(monkeypatch):
 
     monkeypatch.setattr(cli.metadata, "version", none)
     assert CliRunner().invoke(cli.main, ["--version"]).output.endswith("vLLM: not installed\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--", "python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"],
+        ["--termination-log", "/tmp/t", "--grace", "5", "--state-dir", "/s", "--fatal-wait", "1", "--", "vllm", "serve"],
+        ["--grace=7.5", "--log-console", "--log-level", "debug", "vllm", "serve", "--grace", "3"],
+        ["--log-json", "--state-dir=/x", "sh", "-c", "exit 0"],
+    ],
+)
+def test_the_fast_run_parser_agrees_with_click(captured, args, monkeypatch):
+    """kvguard.sidecar.entry parses kvguard run's usual command lines before click is
+    imported (issue 12 row 6); both parsers must build the same config."""
+    from kvguard.sidecar.entry import parse_run_args
+    from kvguard.sidecar.runconfig import load_run_config
+
+    assert invoke(["run", *args]).exit_code == 70
+    given, level, json_logs = parse_run_args(args)
+    assert load_run_config(**given) == captured["run"]
+    assert level == ("debug" if "debug" in args else "info")
+    assert json_logs is ("--log-console" not in args)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--grace"], ["--unknown", "x"], [], ["--grace", "5"]])
+def test_the_fast_run_parser_leaves_the_rest_to_click(args):
+    from kvguard.sidecar.entry import parse_run_args
+
+    assert parse_run_args(args) is None

@@ -38,7 +38,7 @@ def test_without_a_state_dir_nothing_is_installed(fatal):
 def test_record_and_count_once_per_process(fatal, tmp_path):
     assert fatal.install(settings(tmp_path))
     path = fatal.record_exception(AssertionError("pending 129 > 128"), "running")
-    assert path == tmp_path / "fatal" / f"{__import__('os').getpid()}.json"
+    assert path.parent == tmp_path / "fatal" and path.name.startswith(f"{__import__('os').getpid()}-")
     assert fatal.record_exception(RuntimeError("later"), "running") is None
     records, errors = read_fatal_records(StateDir(tmp_path))
     assert errors == [] and [(r.exception, r.message, r.phase) for r in records] == [
@@ -70,9 +70,10 @@ def test_install_marks_dead_pids_live_gauges_dead(fatal, tmp_path):
     dead.wait()
     metrics = StateDir(tmp_path).ensure().metrics
     for name in (f"gauge_livesum_{dead.pid}.db", f"gauge_liveall_{dead.pid}.db", f"counter_{dead.pid}.db",
+                 f"gauge_livesum_{dead.pid}-1700000000000.db", f"counter_{dead.pid}-1700000000000.db",
                  f"gauge_livesum_{__import__('os').getpid()}.db"):
         (metrics / name).write_bytes(b"")
     assert fatal.install(settings(tmp_path))
     assert sorted(p.name for p in metrics.iterdir()) == sorted(
-        [f"counter_{dead.pid}.db", f"gauge_livesum_{__import__('os').getpid()}.db"]
+        [f"counter_{dead.pid}.db", f"counter_{dead.pid}-1700000000000.db", f"gauge_livesum_{__import__('os').getpid()}.db"]
     )

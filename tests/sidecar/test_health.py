@@ -58,3 +58,63 @@ def test_second_death_after_recovery_counts_again():
     s = run(UP, SICK, UP, (UP, {9}), GONE, UP)
     assert [x.deaths for x in s] == [0, 1, 1, 2, 2, 2]
     assert s[-1].state is EngineState.UP
+
+
+# --- row 1 of issue 12: starting / up / dead / stopped, and the startup budget -----------
+
+from kvguard.sidecar.health import RunView
+
+
+def at(probe: Probe, t: float) -> Probe:
+    return Probe(probe.health_status, probe.models_ok, probe.error, t)
+
+
+def test_a_ten_minute_model_load_stays_starting_within_the_budget():
+    t = EngineTracker(startup_budget=600.0)
+    states = [t.observe(at(GONE, 1000.0 + s)).state for s in (0, 60, 300, 599, 600)]
+    assert states == [EngineState.STARTING] * 5
+    assert t.snapshot.deaths == 0
+    assert t.observe(at(UP, 1601.0)).state is EngineState.UP
+
+
+def test_not_up_within_the_budget_is_a_death_with_a_reason():
+    t = EngineTracker(startup_budget=600.0)
+    t.observe(at(GONE, 1000.0))
+    s = t.observe(at(GONE, 1600.5))
+    assert (s.state, s.deaths) == (EngineState.DEAD, 1)
+    assert s.reason == "not up within the startup budget of 600 s"
+    assert t.observe(at(UP, 1700.0)).state is EngineState.UP  # came up late: up again
+
+
+def test_a_new_kvguard_run_child_restarts_the_budget_and_clears_dead():
+    t = EngineTracker(startup_budget=100.0)
+    run1 = RunView(started=1000.0, state="running")
+    assert t.observe(at(UP, 1001.0), run=run1).state is EngineState.UP
+    s = t.observe(at(GONE, 1050.0), frozenset({(7, 1049.0)}), run=RunView(1000.0, "exited"))
+    assert (s.state, s.deaths) == (EngineState.DEAD, 1)
+    run2 = RunView(started=1060.0, state="running")
+    s = t.observe(at(GONE, 1061.0), frozenset({(7, 1049.0)}), run=run2)
+    assert (s.state, s.started_at, s.reason) == (EngineState.STARTING, 1060.0, None)
+    assert t.observe(at(GONE, 1159.0), frozenset({(7, 1049.0)}), run=run2).state is EngineState.STARTING
+    assert t.observe(at(UP, 1160.0), run=run2).state is EngineState.UP
+    assert t.snapshot.deaths == 1
+
+
+def test_a_requested_stop_is_stopped_not_dead():
+    t = EngineTracker(startup_budget=100.0)
+    t.observe(at(UP, 1.0), run=RunView(0.5, "running"))
+    s = t.observe(at(SICK, 2.0), run=RunView(0.5, "stopping", stop_requested=True))
+    assert (s.state, s.deaths, s.live) == (EngineState.STOPPED, 0, False)
+    s = t.observe(at(GONE, 3.0), run=RunView(0.5, "exited", stop_requested=True))
+    assert (s.state, s.deaths) == (EngineState.STOPPED, 0)
+    s = t.observe(at(GONE, 500.0), run=RunView(0.5, "exited", stop_requested=True))
+    assert s.state is EngineState.STOPPED  # the startup budget does not apply to a stop
+
+
+def test_child_exit_without_stop_request_is_dead_at_once():
+    t = EngineTracker()
+    t.observe(at(UP, 1.0), run=RunView(0.5, "running"))
+    s = t.observe(at(UP, 2.0), run=RunView(0.5, "exited"))
+    assert (s.state, s.deaths, s.reason) == (
+        EngineState.DEAD, 1, "the engine process exited without a stop request",
+    )

@@ -119,7 +119,7 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     writer = (
         "import os; from kvguard.guards.statefile import *; "
         "write_fatal_record(StateDir(__import__('pathlib').Path(os.environ['KVGUARD_STATE_DIR'])), "
-        "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', 1.0, os.getpid(), '0.25.1', 'running'))"
+        "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', __import__('time').time(), os.getpid(), '0.25.1', 'running'))"
     )
     term = tmp_path / "t"
     run = kvguard_run(
@@ -132,7 +132,10 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     assert line.endswith(")\n") and line.count("\n") == 1
 
 
-def test_state_dir_is_wiped_at_start_and_exported(kvguard_run, tmp_path):
+def test_state_dir_history_is_kept_but_an_old_fatal_does_not_count(kvguard_run, tmp_path):
+    """Row 2: kvguard run keeps the fatal history and the metrics files of earlier starts
+    (the sidecar must still show them after a restart), but an old record never decides
+    this start's exit status."""
     state = tmp_path / "state"
     old = StateDir(state).ensure()
     write_fatal_record(old, FatalRecord("E", "old", None, 1.0, 1, "x"))
@@ -140,8 +143,27 @@ def test_state_dir_is_wiped_at_start_and_exported(kvguard_run, tmp_path):
     seen = tmp_path / "seen"
     script = f'echo "$KVGUARD_STATE_DIR" > {seen}; ls -A "$KVGUARD_STATE_DIR"/fatal "$KVGUARD_STATE_DIR"/metrics >> {seen}; exit 3'
     code, out = kvguard_run(["--state-dir", str(state), "--", "sh", "-c", script]).wait()
-    assert code == 3, out  # the old fatal record no longer counts
-    assert seen.read_text().splitlines() == [str(state), f"{state}/fatal:", "", f"{state}/metrics:"]
+    assert code == 3, out  # the old fatal record does not count for this start
+    assert seen.read_text().splitlines() == [
+        str(state), f"{state}/fatal:", "1-1000.json", "", f"{state}/metrics:", "counter_1.db",
+    ]
+    run = json.loads((state / "run.json").read_text())
+    assert run["state"] == "exited" and run["exit_status"] == 3 and run["stop_requested"] is False
+    assert run["started"] > 1.0
+
+
+def test_fatal_history_is_bounded_across_starts(kvguard_run, tmp_path):
+    from kvguard.guards.statefile import FATAL_HISTORY
+
+    state = StateDir(tmp_path / "state").ensure()
+    for i in range(FATAL_HISTORY + 5):
+        write_fatal_record(state, FatalRecord("E", f"r{i}", None, 10.0 + i, 100 + i, "x"))
+    code, out = kvguard_run(["--state-dir", str(state.root), "--", "sh", "-c", "exit 4"]).wait()
+    assert code == 4, out
+    kept = sorted(p.name for p in state.fatal.iterdir())
+    assert len(kept) == FATAL_HISTORY
+    assert kept[0] == "105-15000.json"  # the 5 oldest (pids 100..104) are gone
+    assert f"{100 + FATAL_HISTORY + 4}-{(10 + FATAL_HISTORY + 4) * 1000}.json" in kept
 
 
 def test_dead_child_live_gauge_files_are_marked_dead(kvguard_run, tmp_path):
@@ -208,3 +230,124 @@ def test_as_pid_1_forwards_sigterm_and_reaps_orphans(tmp_path):
     assert proc.returncode == 0, out
     assert "pid=1" in out and "orphan_reaped" in out and "signal_forwarded" in out
     assert (tmp_path / "t").read_text() == "stopped on request\n"
+
+
+# --- issue 12 row 6: signals from the first instruction ------------------------------------
+
+CLEAN_CHILD = "trap 'exit 0' TERM; while true; do sleep 0.01; done"
+
+
+def blocks_sigterm(pid: int) -> bool:
+    """kvguard run has executed its first instruction: the process is kvguard (not
+    ``unshare`` before its exec, which blocks SIGTERM itself for a moment) and SIGTERM is
+    in its blocked mask (``SigBlk``), or it already spawned its child (the kernel shows the
+    waited-for signals unblocked while ``sigtimedwait`` runs)."""
+    import psutil
+
+    try:
+        fields = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+        )
+        if fields.get("Name", "").strip() != "kvguard":
+            return False
+        if int(fields["SigBlk"].strip(), 16) & (1 << (signal.SIGTERM - 1)):
+            return True
+        return bool(psutil.Process(pid).children())
+    except (FileNotFoundError, psutil.NoSuchProcess):
+        return False
+
+
+def sigterm_soon_after_start(pid: int, create_time: float) -> None:
+    """SIGTERM 100 ms after the process started, or as soon as it blocks signals when the
+    interpreter's own start-up (before kvguard's first instruction) took longer."""
+    import time
+
+    busy_wait(lambda: blocks_sigterm(pid), timeout=10, interval=0.002)
+    time.sleep(max(0.0, create_time + 0.1 - time.time()))
+    os.kill(pid, signal.SIGTERM)
+
+
+def test_sigterm_100_ms_after_start_is_a_clean_stop_with_exit_0(kvguard_run, tmp_path):
+    """Signals used to be blocked only after the imports: a SIGTERM in the first 1-2 s was
+    lost (PID 1) or killed kvguard run with -15 and no termination message."""
+    import psutil
+
+    term = tmp_path / "t"
+    run = kvguard_run(["--termination-log", str(term), "--state-dir", str(tmp_path / "s"), "--", "sh", "-c", CLEAN_CHILD])
+    sigterm_soon_after_start(run.proc.pid, psutil.Process(run.proc.pid).create_time())
+    code, out = run.wait()
+    assert code == 0, out
+    assert term.read_text().startswith("stopped on request")
+    rec = json.loads((tmp_path / "s" / "run.json").read_text())
+    assert (rec["state"], rec["stop_requested"], rec["exit_status"]) == ("exited", True, 0)
+
+
+def test_a_stop_pending_before_the_spawn_never_starts_the_child(tmp_path):
+    """In process: a SIGTERM kept pending by the early block stops kvguard run before it
+    spawns anything (the early-signal path, deterministically)."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from kvguard.sidecar import earlysignals
+        earlysignals.block()
+        os.kill(os.getpid(), signal.SIGTERM)  # pending, not delivered
+        from kvguard.sidecar.runconfig import SupervisorConfig
+        from kvguard.sidecar.supervisor import Supervisor
+        r = Supervisor(SupervisorConfig(command=("sh", "-c", "touch {tmp_path}/started"))).run()
+        print(r.code, r.cause)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 stopped on request (SIGTERM) before the child started"
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.skipif(
+    not _pid_namespaces_available(),
+    reason="needs `unshare -fp` (a new PID namespace, root or user namespaces) to run kvguard run as PID 1",
+)
+def test_as_pid_1_a_sigterm_100_ms_after_start_is_a_clean_stop(tmp_path):
+    import psutil
+
+    from sidecartools import KVGUARD
+
+    proc = subprocess.Popen(
+        ["unshare", "-fp", "--mount-proc", KVGUARD, "run", "--log-console", "--termination-log",
+         str(tmp_path / "t"), "--", "sh", "-c", CLEAN_CHILD],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        pid1 = busy_wait(lambda: (psutil.Process(proc.pid).children() or [None])[0], timeout=10)
+        sigterm_soon_after_start(pid1.pid, pid1.create_time())
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, out
+    assert (tmp_path / "t").read_text().startswith("stopped on request")
+
+
+def test_kvguard_run_spawns_its_child_before_importing_click_structlog_or_pydantic():
+    """Issue 12 row 6: start to child ready was 2.18 s (pydantic-settings, click and the
+    sidecar config were imported first); bench/sidecar_bench.py has the figure."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        sys.argv = ["kvguard", "run", "--log-console", "--grace", "5", "--", "true"]
+        from kvguard.sidecar import supervisor
+        real = supervisor.Supervisor._spawn
+        def spy(self, mask):
+            heavy = sorted({m.split(".")[0] for m in sys.modules} & {"click", "structlog", "pydantic", "pydantic_settings", "prometheus_client", "fastapi"})
+            print("HEAVY", json.dumps(heavy), flush=True)
+            return real(self, mask)
+        supervisor.Supervisor._spawn = spy
+        from kvguard.sidecar.entry import main
+        main()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 70, out.stdout + out.stderr  # `true` exits 0 unrequested
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAVY")]
+    assert json.loads(line[len("HEAVY "):]) == []
