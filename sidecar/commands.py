@@ -106,7 +106,13 @@ def sidecar(**options: object) -> None:
     type=float,
     help="seconds to wait for a fatal record after an unrequested exit 0 [env KVGUARD_FATAL_WAIT; 0.5]",
 )
-@click.option("--log-level", default="info", show_default=True, help="debug|info|warning|error")
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False),
+    help="log level",
+)
 @click.option("--log-json/--log-console", default=True, help="log format (default json)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context

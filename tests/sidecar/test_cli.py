@@ -172,3 +172,24 @@ def test_the_fast_run_parser_leaves_the_rest_to_click(args):
     from kvguard.sidecar.entry import parse_run_args
 
     assert parse_run_args(args) is None
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--grace", "-1", "--", "true"], {}, "invalid setting KVGUARD_GRACE (--grace): must be >= 0"),
+        (["--", "true"], {"KVGUARD_FATAL_WAIT": "soon"}, "invalid setting KVGUARD_FATAL_WAIT (--fatal-wait)"),
+        (["--log-level", "loud", "--", "true"], {}, "Invalid value for '--log-level'"),
+    ],
+)
+def test_the_console_script_fails_a_bad_run_setting_with_exit_2(args, env, message, tmp_path):
+    """Through the real ``kvguard`` script (its fast path hands bad values to click)."""
+    import os
+    import subprocess
+
+    from sidecartools import KVGUARD
+
+    out = subprocess.run([KVGUARD, "run", *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env}, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
