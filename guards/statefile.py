@@ -61,6 +61,7 @@ __all__ = [
     "FILE_MODE",
     "RUN_FILE",
     "RunRecord",
+    "open_regular",
     "read_bounded",
     "read_run_record",
     "write_run_record",
@@ -292,13 +293,11 @@ def write_fatal_record(state: StateDir, record: FatalRecord) -> Path:
     return _atomic_write(state.fatal, _record_path(state, record).name, data, state.pid())
 
 
-def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
-
-    Opened with ``O_NOFOLLOW | O_NONBLOCK``: a symlink, FIFO, socket or device is never
-    followed, waited on or read. Raises :class:`StateFileError` (``kind`` is
-    ``"not_regular"`` or ``"too_large"``) or ``OSError`` (missing, permission denied).
-    """
+def open_regular(path: Path | str, *, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """``(fd, stat)`` of the regular file ``path``, opened read-only with ``O_NOFOLLOW |
+    O_NONBLOCK``: a symlink, FIFO, socket or device is never followed, waited on or read.
+    The caller closes ``fd``. Raises :class:`StateFileError` (``kind="not_regular"``) or
+    ``OSError`` (missing, permission denied)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
@@ -309,6 +308,21 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK``: a symlink, FIFO, socket or device is never
+    followed, waited on or read. Raises :class:`StateFileError` (``kind`` is
+    ``"not_regular"`` or ``"too_large"``) or ``OSError`` (missing, permission denied).
+    """
+    fd, st = open_regular(path, dir_fd=dir_fd)
+    try:
         if st.st_size > limit:
             raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind="too_large")
         chunks = []

@@ -30,10 +30,8 @@ Series served (besides whatever the engine plugin writes):
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,7 @@ from prometheus_client.mmap_dict import _read_all_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvguard.guards.statefile import FatalRecord, StateFileError, file_kind
+from kvguard.guards.statefile import FatalRecord, StateFileError, open_regular
 from kvguard.sidecar.problems import SOURCES
 
 __all__ = [
@@ -106,16 +104,8 @@ class _Skip(Exception):
 
 def _read_db(dir_fd: int, name: str) -> tuple[bytes, int]:
     """One multiprocess file's used bytes and ``used`` count, read once and bounded."""
+    fd, st = open_regular(name, dir_fd=dir_fd)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
         size = st.st_size
         if size == 0:
             raise _Skip
