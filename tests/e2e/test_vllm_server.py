@@ -49,7 +49,8 @@ def test_a_normal_running_then_b_engine_death_under_kvguard(fleet):
         assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["text"].strip()
 
         engine = s.proc.find("VLLM::EngineCore")
-        engine_files = sorted((s.state_dir / "metrics").glob(f"*_{engine.pid}.db"))
+        # issue 12: one file set per process, named <kind>_<pid>-<ms>.db
+        engine_files = sorted((s.state_dir / "metrics").glob(f"*_{engine.pid}-*.db"))
         assert engine_files, f"no multiprocess file from EngineCore pid {engine.pid}"
         engine_series = {
             json.loads(key)[0]: value
