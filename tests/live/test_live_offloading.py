@@ -65,7 +65,6 @@ LOAD_BYTES = (HIT_TOKENS + SWA_LOAD_BLOCKS * GPU_BLOCK_TOKENS) * KV_BYTES_PER_TO
 #: Dashboard queries that return nothing (no series at all) until an event happens,
 #: keyed by the metric they read (docs/live.md). Every other query must return data.
 EMPTY_UNTIL_EVENT = {
-    "kvguard_engine_fatal_total": "its series is labelled by exception type: none before the first fatal exception",
     "vllm:kv_offload_stores_skipped_total": "vLLM defines it only with store_threshold >= 2",
     "vllm:kv_offload_allocation_failure_total": "vLLM creates its series at the first failed store allocation",
 }
