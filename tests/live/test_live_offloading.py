@@ -204,6 +204,10 @@ def test_engine_core_reports_offload_sites_and_swa_checks_through_the_sidecar(li
     s = live.live
     assert "live" in live.results, "needs the conversation of the offloading test"
     wait_for(lambda: s.status("/readyz", s.sidecar_url) == 200, 30, "sidecar /readyz 200")
+    # the sidecar may serve a state-dir read up to --metrics-max-age (0.5 s) old: wait,
+    # bounded, until EngineCore's one window evaluation is in it, then read once more
+    evaluated = ("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),))
+    wait_for(lambda: sidecar_metrics(s).get(evaluated, 0) >= 1, 10, "swa_pending_bound evaluated", interval=0.2)
     m = sidecar_metrics(s)
     installed = {dict(k[1])["site"]: v for k, v in m.items() if k[0] == "kvguard_site_installed"}
     offload_on = sorted(site for site, v in installed.items() if v == 1.0)
