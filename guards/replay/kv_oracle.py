@@ -204,11 +204,17 @@ class KVOracle:
         """Slot codes of request ``req_id``'s tokens at positions 0..n-1 (int64, cached).
 
         ``token_ids`` defaults to the live request's ``all_token_ids``; the cache only grows
-        (prompt, then sampled tokens), so a decode step appends one code.
+        (prompt, then sampled tokens), so a decode step appends one code. A request that
+        is no longer live keeps its cached codes. Raises KeyError when neither exists.
         """
-        if token_ids is None:
-            token_ids = self.scheduler.requests[req_id].all_token_ids
         have = self._codes.get(req_id)
+        if token_ids is None:
+            req = self.scheduler.requests.get(req_id)
+            if req is None:
+                if have is None:
+                    raise KeyError(f"no live request {req_id!r} and no token codes for it")
+                return have
+            token_ids = req.all_token_ids
         n = len(token_ids)
         if have is not None and len(have) >= n:
             return have[:n] if len(have) > n else have
