@@ -186,3 +186,102 @@ def test_sliding_window_blocks_below_the_window_are_not_read() -> None:
     # read start = 12 - 4 + 1 = 9 -> blocks 4, 5 of the window group
     assert oracle.check_request("r", [list(range(1, 7)), [0, 0, 0, 0, 20, 21]], 12) == 0
     assert oracle.checked_blocks == 6 + 2
+
+
+# -- harness geometry (issue 9, item 6): more groups, block sizes, extra_retained_tokens ----
+
+THREE_GROUPS = [
+    {"kind": "full", "tokens_per_block": 32},
+    {"kind": "sliding_window", "tokens_per_block": 16, "sliding_window": 1024},
+    {"kind": "sliding_window", "tokens_per_block": 32, "sliding_window": 2048},
+]
+
+
+def _layout_trace(tmp_path, **geometry_fields):
+    """A turn stored to the CPU tier, a filler that evicts it from the GPU, then the same
+    prefix again: the hit is loaded from the CPU tier and ends where the layout puts it."""
+    import json
+
+    geometry = {
+        "tokens_per_block": 16, "tokens_per_chunk": 64, "sliding_window": 1024,
+        "num_gpu_blocks": 1200, "cpu_chunks": 2048, "max_num_batched_tokens": 2048,
+        "max_num_seqs": 4, "max_model_len": 32768, "vocab_size": 32000, **geometry_fields,
+    }
+    lines = [
+        {"kind": "header", "format": "kvguard-replay/1", "name": "layout", "geometry": geometry},
+        {"kind": "request", "id": "a/turn-0", "prompt": [{"seed": 5, "tokens": 6000}], "max_tokens": 8},
+        {"kind": "request", "id": "filler", "after": "a/turn-0",
+         "prompt": [{"seed": 6, "tokens": 12000}], "max_tokens": 4},
+        {"kind": "request", "id": "a/turn-1", "after": "filler",
+         "prompt": [{"seed": 5, "tokens": 6000}, {"output_of": "a/turn-0"}, {"seed": 7, "tokens": 300}],
+         "max_tokens": 8},
+    ]
+    path = tmp_path / "layout.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return load_trace(str(path))
+
+
+def _layout_replay(trace, fault=None):
+    harness.install_guard("guard")
+    engine = harness.build_engine(trace.geometry)
+    engine.worker.fault = fault
+    return engine, harness.run_replay(trace, guard=True, engine=engine)
+
+
+def _window_blocks(cached: int, tpb: int, window: int, extra: int = 0) -> tuple[int, int]:
+    """(first block index, block count) vLLM keeps for a sliding-window group."""
+    first = max(0, cached - window + 1 - extra) // tpb
+    return first, -(-cached // tpb) - first
+
+
+def _has_blocks_per_chunk_key() -> bool:
+    import inspect
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config
+    except ImportError:
+        return False
+    return '"blocks_per_chunk"' in inspect.getsource(config)
+
+
+def test_three_groups_with_different_block_sizes(tmp_path) -> None:
+    trace = _layout_trace(tmp_path, groups=THREE_GROUPS)
+    if not _has_blocks_per_chunk_key():  # 0.21.0, 0.25.1: the clear error instead
+        with pytest.raises(RuntimeError, match="blocks_per_chunk"):
+            harness.build_engine(trace.geometry)
+        return
+    engine, result = _layout_replay(trace)
+    assert result.engine_survived and result.finished == 3, result.error
+    (load,) = engine.worker.loads
+    cached = result.hits["a/turn-1"]["local_hit_tokens"] + result.hits["a/turn-1"]["external_hit_tokens"]
+    assert cached > 0
+    w16, w32 = _window_blocks(cached, 16, 1024), _window_blocks(cached, 32, 2048)
+    assert load.group_sizes == [-(-cached // 32), w16[1], w32[1]]
+    assert load.block_indices == [0, w16[0], w32[0]]
+    oracle = engine.worker.oracle
+    assert [g.tokens_per_block for g in oracle.groups] == [32, 16, 32]
+    assert oracle.loaded_blocks == sum(load.group_sizes)
+    assert result.wrong_kv_blocks == 0 and result.ok
+    # the negative control holds for this layout too
+    engine, faulty = _layout_replay(trace, fault="load_wrong_chunk")
+    assert faulty.wrong_kv_blocks > 0 and not faulty.ok
+
+
+def test_extra_retained_tokens_widen_the_loaded_window(tmp_path) -> None:
+    trace = _layout_trace(tmp_path, extra_retained_tokens=64)
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if "extra_retained_tokens" not in {f.name for f in dataclasses.fields(SlidingWindowSpec)}:
+        with pytest.raises(RuntimeError, match="extra_retained_tokens"):
+            harness.build_engine(trace.geometry)
+        return
+    engine, result = _layout_replay(trace)
+    assert result.engine_survived and result.finished == 3, result.error
+    (load,) = engine.worker.loads
+    cached = result.hits["a/turn-1"]["local_hit_tokens"] + result.hits["a/turn-1"]["external_hit_tokens"]
+    first, count = _window_blocks(cached, 16, 1024, extra=64)
+    assert (load.block_indices[1], load.group_sizes[1]) == (first, count)
+    assert engine.worker.oracle.groups[1].extra_retained_tokens == 64
+    assert result.wrong_kv_blocks == 0 and result.ok
