@@ -1,7 +1,9 @@
 """``kvguard replay``: replay a trace on the real vLLM offload scheduler (the main job).
 
-Exit status: 0 when the engine survived and every request finished; 1 otherwise
-(the engine died, a request waited forever, or the trace could not be loaded).
+Exit status: 0 when the engine survived, every request finished and the KV-content
+oracle found no wrong KV (``wrong_kv_blocks == 0``); 1 otherwise (the engine died, a
+request waited forever, a GPU block held wrong KV when vLLM read it, the trace could
+not be loaded, or its geometry cannot be expressed on the installed release).
 With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.guards.replay.report`);
 vLLM's and kvguard's logs go to stderr.
 """
@@ -62,6 +64,10 @@ def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
     sys.stdout = sys.stderr
     try:
         result = harness.run_replay(trace, guard=not no_guard, policy=policy, progress=progress)
+    except RuntimeError as exc:  # a geometry this release cannot express, or no vLLM
+        sys.stdout = real_stdout
+        click.echo(f"kvguard replay: {exc}", err=True)
+        sys.exit(1)
     finally:
         sys.stdout = real_stdout
     if progress is not None:

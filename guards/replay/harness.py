@@ -76,9 +76,21 @@ class ReplayResult:
     pending_store_keys: int | None = None
 
     @property
+    def wrong_kv_blocks(self) -> int:
+        """GPU blocks the KV-content oracle found holding wrong KV (0 without an oracle)."""
+        oracle = self.worker.oracle if self.worker is not None else None
+        return oracle.wrong_kv_blocks if oracle is not None else 0
+
+    @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived and every submitted request finished."""
-        return self.engine_survived and not self.stalled and self.finished == self.submitted
+        """Exit-0 condition: the engine survived, every submitted request finished, and
+        the KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
+        return (
+            self.engine_survived
+            and not self.stalled
+            and self.finished == self.submitted
+            and self.wrong_kv_blocks == 0
+        )
 
 
 def vllm_version() -> str:
@@ -148,7 +160,7 @@ def _write_model_dir(geometry: Geometry) -> str:
         "num_attention_heads": 4,
         "num_key_value_heads": NUM_KV_HEADS,
         "head_dim": HEAD_SIZE,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": max(2, len(geometry.kv_groups())),
         "vocab_size": geometry.vocab_size,
         "max_position_embeddings": geometry.max_model_len,
         "sliding_window": geometry.sliding_window,
@@ -162,7 +174,18 @@ def _write_model_dir(geometry: Geometry) -> str:
 
 
 def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
-    """The hybrid ``KVCacheConfig`` (full attention + sliding window) and its bytes per block."""
+    """The hybrid ``KVCacheConfig`` of ``geometry.kv_groups()`` and its bytes per GPU block page.
+
+    One attention layer per KV cache group. Every group's page has the same size (vLLM's
+    hybrid allocator shares one block pool): a group whose ``tokens_per_block`` is ``k``
+    times smaller than the largest gets ``k`` times more KV heads. The default layout
+    (two groups, one block size) is unchanged.
+
+    Raises:
+        RuntimeError: a group's ``extra_retained_tokens`` on a release whose
+            ``SlidingWindowSpec`` has no such field (0.21.0, 0.25.1), or block sizes that do
+            not divide the largest one.
+    """
     import dataclasses
 
     import torch
@@ -174,33 +197,52 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
         SlidingWindowSpec,
     )
 
-    common = dict(
-        block_size=geometry.tokens_per_block,
-        num_kv_heads=NUM_KV_HEADS,
-        head_size=HEAD_SIZE,
-        dtype=torch.float16,
-    )
-    full = FullAttentionSpec(**common)
-    swa = SlidingWindowSpec(sliding_window=geometry.sliding_window, **common)
-    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-    page = full.page_size_bytes
+    groups = geometry.kv_groups()
+    largest = max(g.tokens_per_block for g in groups)
+    swa_fields = {f.name for f in dataclasses.fields(SlidingWindowSpec)}
+    specs = []
+    for i, group in enumerate(groups):
+        if largest % group.tokens_per_block:
+            raise RuntimeError(
+                f"geometry.groups[{i}].tokens_per_block={group.tokens_per_block} does not divide "
+                f"the largest block size {largest} (equal page sizes need it)"
+            )
+        common = dict(
+            block_size=group.tokens_per_block,
+            num_kv_heads=NUM_KV_HEADS * (largest // group.tokens_per_block),
+            head_size=HEAD_SIZE,
+            dtype=torch.float16,
+        )
+        if group.kind == "full":
+            specs.append(FullAttentionSpec(**common))
+            continue
+        extra: dict[str, int] = {}
+        if group.extra_retained_tokens:
+            if "extra_retained_tokens" not in swa_fields:
+                raise RuntimeError(
+                    f"vLLM {vllm_version()}: SlidingWindowSpec has no field "
+                    "'extra_retained_tokens', so a trace cannot set extra_retained_tokens "
+                    f"(geometry group {i}) on this release"
+                )
+            extra["extra_retained_tokens"] = group.extra_retained_tokens
+        specs.append(SlidingWindowSpec(sliding_window=group.sliding_window, **common, **extra))
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(len(groups))]
+    page = specs[0].page_size_bytes
     n = geometry.num_gpu_blocks
     tensor_fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
     if "shared_by" in tensor_fields:  # vLLM 0.21 / 0.25: a tensor names the layers sharing it
         tensors = [KVCacheTensor(size=page * n, shared_by=list(layers))]
     else:  # vLLM 0.33: one backing allocation, layers side by side in each block
+        k = len(layers)
         tensors = [
             KVCacheTensor(
-                size=2 * page * n, layers=list(layers), layer_stride=page, block_stride=2 * page
+                size=k * page * n, layers=list(layers), layer_stride=page, block_stride=k * page
             )
         ]
     config = KVCacheConfig(
         num_blocks=n,
         kv_cache_tensors=tensors,
-        kv_cache_groups=[
-            KVCacheGroupSpec([layers[0]], full),
-            KVCacheGroupSpec([layers[1]], swa),
-        ],
+        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in zip(layers, specs)],
     )
     return config, page
 
@@ -208,12 +250,42 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
 def _cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
     """``cpu_bytes_to_use`` for ``geometry.cpu_chunks`` offloaded blocks.
 
-    vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by both
-    layers); 0.33 sums each group's page. Chunks are powers of two, so no alignment
+    vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by every
+    layer); 0.33 sums each group's page. Chunks are powers of two, so no alignment
     padding changes the count.
     """
-    per_block = page if "shared_by" in _tensor_fields() else 2 * page
+    groups = len(geometry.kv_groups())
+    per_block = page if "shared_by" in _tensor_fields() else groups * page
     return geometry.cpu_chunks * per_block * geometry.blocks_per_chunk
+
+
+def _chunk_size_config(geometry: Geometry) -> dict[str, int]:
+    """The chunk size in ``kv_connector_extra_config``.
+
+    One block size for all groups: ``block_size`` (tokens per chunk), as before. Groups of
+    different block sizes: ``blocks_per_chunk`` (vLLM 0.33's offloading config reads it;
+    ``block_size`` there asserts one block size). Discovered in the release's source.
+
+    Raises:
+        RuntimeError: different block sizes on a release that has no ``blocks_per_chunk`` key.
+    """
+    if len({g.tokens_per_block for g in geometry.kv_groups()}) == 1:
+        return {"block_size": geometry.tokens_per_chunk}
+    import inspect
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as off_config
+
+        accepts = '"blocks_per_chunk"' in inspect.getsource(off_config)
+    except ImportError:
+        accepts = False
+    if not accepts:
+        raise RuntimeError(
+            f"vLLM {vllm_version()}: KV cache groups with different tokens_per_block need "
+            "kv_connector_extra_config['blocks_per_chunk'], which this release's offloading "
+            "connector does not read ('block_size' requires one block size for every group)"
+        )
+    return {"blocks_per_chunk": geometry.blocks_per_chunk}
 
 
 def _tensor_fields() -> set[str]:
@@ -284,7 +356,7 @@ def build_engine(geometry: Geometry) -> Engine:
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config={
-            "block_size": geometry.tokens_per_chunk,
+            **_chunk_size_config(geometry),
             "cpu_bytes_to_use": _cpu_bytes_to_use(geometry, page),
         },
     )
@@ -305,19 +377,36 @@ def build_engine(geometry: Geometry) -> Engine:
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
+    block_size = hash_block_size = geometry.tokens_per_block
+    sizing: dict[str, int] = {}
+    if len({g.tokens_per_block for g in geometry.kv_groups()}) > 1:
+        # Groups of different block sizes: the scheduler and hash block sizes EngineCore
+        # derives (LCM / GCD of the groups' sizes), bound by the Scheduler's signature.
+        import inspect
+
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        if "hash_block_size" in inspect.signature(Scheduler.__init__).parameters:
+            sizing["hash_block_size"] = hash_block_size
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=geometry.tokens_per_block,
+        block_size=block_size,
         log_stats=True,
+        **sizing,
     )
     _route_vllm_logs_to_stderr()
     connector = scheduler.connector
     if connector is None or type(connector).__name__ != "OffloadingConnector":
         raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
     connector_scheduler = connector.connector_scheduler
-    worker = SimulatedWorker(scheduler=scheduler, vocab_size=geometry.vocab_size)
+    worker = SimulatedWorker(
+        scheduler=scheduler,
+        vocab_size=geometry.vocab_size,
+        blocks_per_chunk=geometry.blocks_per_chunk,
+    )
     return Engine(
         scheduler=scheduler,
         connector=connector,
@@ -325,7 +414,7 @@ def build_engine(geometry: Geometry) -> Engine:
         worker=worker,
         geometry=geometry,
         version=version,
-        block_hasher=get_request_block_hasher(geometry.tokens_per_block, hash_fn),
+        block_hasher=get_request_block_hasher(hash_block_size, hash_fn),
     )
 
 

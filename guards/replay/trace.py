@@ -22,6 +22,28 @@ groups, ``cpu_chunks`` offloaded blocks the CPU tier holds (it sets
 ``cpu_bytes_to_use``), ``max_num_batched_tokens`` / ``max_num_seqs`` /
 ``max_model_len`` as in vLLM's ``SchedulerConfig``, ``vocab_size`` for token ids.
 
+Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups above):
+
+- ``extra_retained_tokens``: tokens the sliding-window group keeps below its window
+  (MTP; vLLM's ``SlidingWindowSpec.extra_retained_tokens``, vLLM 0.33.0 has it, 0.21.0 and
+  0.25.1 do not: the harness raises ``RuntimeError`` naming the field and release there).
+- ``groups``: the KV cache groups, in order, replacing the default two::
+
+      "groups": [{"kind": "full", "tokens_per_block": 64},
+                 {"kind": "sliding_window", "tokens_per_block": 32,
+                  "sliding_window": 4096, "extra_retained_tokens": 0},
+                 {"kind": "sliding_window", "tokens_per_block": 16, "sliding_window": 512}]
+
+  ``tokens_per_block`` tokens per GPU block of that group (default the flat field),
+  ``sliding_window`` tokens (required for ``sliding_window``), ``extra_retained_tokens``
+  as above. With ``groups`` the flat ``tokens_per_block`` is the block size the
+  blocks-per-chunk ratio is taken from: ``blocks_per_chunk = tokens_per_chunk //
+  tokens_per_block`` GPU blocks per offloaded chunk in *every* group (a group's chunk is
+  ``blocks_per_chunk * its tokens_per_block`` tokens). Groups of different block sizes
+  are configured with ``kv_connector_extra_config["blocks_per_chunk"]`` (vLLM 0.33.0;
+  ``block_size`` there requires one block size for all groups); a release without that
+  key raises ``RuntimeError``. ``num_gpu_blocks`` is shared by all groups.
+
 Request (one per line, in arrival order)::
 
     {"kind": "request", "id": "agent-a/turn-1",
@@ -73,6 +95,57 @@ class TraceError(ValueError):
     """A trace file that does not follow the format above (message names the line)."""
 
 
+GROUP_KINDS = ("full", "sliding_window")
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """One KV cache group of a trace's ``geometry.groups`` (units in the module docstring)."""
+
+    kind: str
+    tokens_per_block: int
+    sliding_window: int | None = None
+    extra_retained_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "tokens_per_block": self.tokens_per_block}
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+        if self.extra_retained_tokens:
+            out["extra_retained_tokens"] = self.extra_retained_tokens
+        return out
+
+
+def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
+    where = f"geometry.groups[{i}]"
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where} must be an object")
+    unknown = set(obj) - {"kind", "tokens_per_block", "sliding_window", "extra_retained_tokens"}
+    if unknown:
+        raise TraceError(f"{where}: unknown fields {sorted(unknown)}")
+    kind = obj.get("kind")
+    if kind not in GROUP_KINDS:
+        raise TraceError(f"{where}.kind must be one of {GROUP_KINDS}, got {kind!r}")
+    tpb = obj.get("tokens_per_block", default_tpb)
+    window = obj.get("sliding_window")
+    extra = obj.get("extra_retained_tokens", 0)
+    if not isinstance(tpb, int) or tpb <= 0:
+        raise TraceError(f"{where}.tokens_per_block must be a positive int")
+    if kind == "sliding_window":
+        if not isinstance(window, int) or window <= 0:
+            raise TraceError(f"{where}.sliding_window must be a positive int")
+    elif window is not None or extra:
+        raise TraceError(f"{where}: a full-attention group has no sliding_window")
+    if not isinstance(extra, int) or extra < 0:
+        raise TraceError(f"{where}.extra_retained_tokens must be a non-negative int")
+    return GroupGeometry(kind=kind, tokens_per_block=tpb, sliding_window=window,
+                         extra_retained_tokens=extra)
+
+
+#: Geometry fields that are not positive ints (validated on their own).
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups")
+
+
 @dataclass(frozen=True)
 class Geometry:
     """KV cache and scheduler geometry of one replay (units in the module docstring)."""
@@ -86,6 +159,31 @@ class Geometry:
     max_num_seqs: int = 8
     max_model_len: int = 131072
     vocab_size: int = 32000
+    #: tokens the sliding-window group keeps below its window (default layout only)
+    extra_retained_tokens: int = 0
+    #: explicit KV cache groups (``None``: full attention + one sliding window)
+    groups: tuple[GroupGeometry, ...] | None = None
+
+    def kv_groups(self) -> tuple[GroupGeometry, ...]:
+        """The KV cache groups of this geometry, in vLLM's group order."""
+        if self.groups is not None:
+            return self.groups
+        return (
+            GroupGeometry("full", self.tokens_per_block),
+            GroupGeometry("sliding_window", self.tokens_per_block, self.sliding_window,
+                          self.extra_retained_tokens),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The header's ``geometry`` object (optional fields only when set)."""
+        out: dict[str, Any] = {
+            k: v for k, v in vars(self).items() if k not in _OPTIONAL_FIELDS
+        }
+        if self.extra_retained_tokens:
+            out["extra_retained_tokens"] = self.extra_retained_tokens
+        if self.groups is not None:
+            out["groups"] = [g.to_json() for g in self.groups]
+        return out
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -95,10 +193,19 @@ class Geometry:
     def validate(self) -> None:
         """Raise :class:`TraceError` for a geometry vLLM would reject."""
         for name, value in vars(self).items():
+            if name in _OPTIONAL_FIELDS:
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise TraceError(f"geometry.{name} must be a positive int, got {value!r}")
         if self.tokens_per_chunk % self.tokens_per_block:
             raise TraceError("geometry.tokens_per_chunk must be a multiple of tokens_per_block")
+        if not isinstance(self.extra_retained_tokens, int) or self.extra_retained_tokens < 0:
+            raise TraceError("geometry.extra_retained_tokens must be a non-negative int")
+        if self.groups is not None:
+            if self.extra_retained_tokens:
+                raise TraceError("geometry: with groups, set extra_retained_tokens per group")
+            if not self.groups:
+                raise TraceError("geometry.groups must list at least one group")
 
 
 @dataclass(frozen=True)
@@ -164,7 +271,7 @@ class Trace:
             "format": FORMAT,
             "name": self.name,
             "description": self.description,
-            "geometry": vars(self.geometry),
+            "geometry": self.geometry.to_json(),
         }
         lines = [json.dumps(header)] + [json.dumps(r.to_json()) for r in self.requests]
         return "\n".join(lines) + "\n"
@@ -245,7 +352,13 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         )
     if header is None:
         raise TraceError(f"{source}: empty trace")
-    geo = header.get("geometry") or {}
+    geo = dict(header.get("geometry") or {})
+    if "groups" in geo:
+        groups = geo["groups"]
+        if not isinstance(groups, list):
+            raise TraceError(f"{source}: geometry.groups must be a list")
+        tpb = geo.get("tokens_per_block", Geometry.tokens_per_block)
+        geo["groups"] = tuple(_parse_group(g, i, tpb) for i, g in enumerate(groups))
     try:
         geometry = Geometry(**geo)
     except TypeError as exc:
