@@ -44,6 +44,8 @@ from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.rewrite import (
     GLOBAL_CHECK,
     GLOBAL_DROP_STORE,
+    GLOBAL_FAIL_REQUEST,
+    GLOBAL_REQUEST_FAILED,
     GLOBAL_LOCALS,
     GLOBAL_STORE_DROPPED,
     SiteSpec,
@@ -89,6 +91,8 @@ def _injected_globals() -> dict[str, Any]:
         GLOBAL_LOCALS: builtins.locals,
         GLOBAL_STORE_DROPPED: runtime.StoreDropped,
         GLOBAL_DROP_STORE: runtime.drop_store,
+        GLOBAL_REQUEST_FAILED: runtime.RequestFailed,
+        GLOBAL_FAIL_REQUEST: runtime.fail_request,
     }
 
 

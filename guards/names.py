@@ -159,3 +159,16 @@ ENV_PREFIX = "KVGUARD_"
 ENV_STATE_DIR = "KVGUARD_STATE_DIR"
 STATE_METRICS_SUBDIR = "metrics"
 STATE_FATAL_SUBDIR = "fatal"
+
+# --- request-scoped degrade (issue 9 items 2-3; appended) ------------------------------
+#: ``len(offload_keys) == len(offload_block_ids)`` in the store builder's request loop
+#: (vLLM #49118, #52170, #55503): under ``guard`` that request's store is dropped.
+CHECK_STORE_KEYS_CONSISTENCY = "store_keys_consistency"
+CHECKS = (*CHECKS, CHECK_STORE_KEYS_CONSISTENCY)
+#: One request was finished with ``FINISHED_ERROR`` (its blocks freed, no load issued);
+#: every other request went on (an assert of a per-request function after admission).
+ACTION_REQUEST_FAILED = "request_failed"
+ACTIONS = (*ACTIONS, ACTION_REQUEST_FAILED)
+#: kvguard_guard_errors_total stage of the request-failure path (guards/degrade.py).
+STAGE_REQUEST_FAIL = "request_fail"
+STAGES = (*STAGES, STAGE_REQUEST_FAIL)

@@ -42,6 +42,19 @@ clash with vLLM's (pytest uses ``@py_assert``):
         @kvguard_drop_store(<site_id>, @kvguard_locals())
         continue
 
+``store_call`` also wraps a statement of the store builder's request loop that holds
+the ``len(...) == len(...)`` assert of vLLM #49118 (a ``for`` over the KV cache groups):
+the same handler, so a drop skips to the next request. Such a statement is matched by
+its normalized text *before* its own asserts are rewritten.
+
+``request_scope`` (issue 9 item 3; the whole body of a request-scoped method)::
+
+    try:
+        <body, its asserts rewritten as above>
+    except @kvguard_RequestFailed:
+        @kvguard_fail_request(<site_id>, @kvguard_locals())
+        return None
+
 Locations: every generated node gets the location of the statement it replaces
 (``ast.copy_location`` over the new subtree); original nodes keep theirs, so tracebacks
 and ``co_positions`` point into vLLM's own file and lines.
@@ -60,10 +73,13 @@ __all__ = [
     "KIND_ASSERT",
     "KIND_WINDOW",
     "KIND_STORE_CALL",
+    "KIND_REQUEST_SCOPE",
     "GLOBAL_CHECK",
     "GLOBAL_LOCALS",
     "GLOBAL_STORE_DROPPED",
     "GLOBAL_DROP_STORE",
+    "GLOBAL_REQUEST_FAILED",
+    "GLOBAL_FAIL_REQUEST",
     "SiteSpec",
     "SiteRewriter",
     "normalize_assert",
@@ -79,11 +95,14 @@ __all__ = [
 KIND_ASSERT = "assert"
 KIND_WINDOW = "window"
 KIND_STORE_CALL = "store_call"
+KIND_REQUEST_SCOPE = "request_scope"
 
 GLOBAL_CHECK = "@kvguard_check"
 GLOBAL_LOCALS = "@kvguard_locals"
 GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
 GLOBAL_DROP_STORE = "@kvguard_drop_store"
+GLOBAL_REQUEST_FAILED = "@kvguard_RequestFailed"
+GLOBAL_FAIL_REQUEST = "@kvguard_fail_request"
 _LOCAL_OK = "@kvguard_ok"
 _LOCAL_EXC = "@kvguard_exc"
 #: Every global name rewritten code may read (the instrumentor injects exactly these).
@@ -92,6 +111,8 @@ INJECTED_GLOBALS: tuple[str, ...] = (
     GLOBAL_LOCALS,
     GLOBAL_STORE_DROPPED,
     GLOBAL_DROP_STORE,
+    GLOBAL_REQUEST_FAILED,
+    GLOBAL_FAIL_REQUEST,
 )
 
 
@@ -224,6 +245,8 @@ class SiteRewriter(ast.NodeTransformer):
 
     def __post_init__(self) -> None:
         for spec in self.specs:
+            if spec.kind == KIND_REQUEST_SCOPE:
+                continue  # the whole body: rewrite_function wraps it
             target = self._by_stmt if spec.kind == KIND_STORE_CALL else self._by_assert
             for fp in spec.fingerprints:
                 target[fp] = spec
@@ -267,7 +290,16 @@ class SiteRewriter(ast.NodeTransformer):
     def _visit_stmts(self, stmts: list[ast.stmt]) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         for stmt in stmts:
+            # a non-assignment store_call statement (the #49118 group loop) is matched by
+            # its text before its own asserts are rewritten
+            spec = None
+            if self._by_stmt and self._loop_depth and not isinstance(stmt, ast.Assign):
+                spec = self._by_stmt.get(normalize_statement(stmt))
+            epilogue = _skip_epilogue(stmts[stmts.index(stmt) + 1 :]) if spec is not None else []
             new = self.visit(stmt)
+            if spec is not None and new is not None and not isinstance(new, list):
+                self.found.add(spec.site_id)
+                new = self._store_drop_try(new, spec, epilogue)
             if new is None:
                 continue
             if isinstance(new, list):
@@ -293,6 +325,11 @@ class SiteRewriter(ast.NodeTransformer):
         if spec is None or self._loop_depth == 0:
             return node
         self.found.add(spec.site_id)
+        return self._store_drop_try(node, spec)
+
+    def _store_drop_try(self, node: ast.stmt, spec: SiteSpec, epilogue: list[ast.stmt] | None = None) -> ast.stmt:
+        """``try: <node> except @kvguard_StoreDropped: drop_store(site, locals());
+        <epilogue>; continue`` (``epilogue``: see :func:`_skip_epilogue`)."""
         handler = ast.ExceptHandler(
             type=_gen(_name(GLOBAL_STORE_DROPPED)),
             name=None,
@@ -311,6 +348,7 @@ class SiteRewriter(ast.NodeTransformer):
                         )
                     )
                 ),
+                *(epilogue or []),
                 _gen(ast.Continue()),
             ],
         )
@@ -382,6 +420,60 @@ class SiteRewriter(ast.NodeTransformer):
         return [guard]  # type: ignore[list-item]
 
 
+def _skip_epilogue(later: list[ast.stmt]) -> list[ast.stmt]:
+    """What vLLM itself does on every skip of a request after ``later[0]`` starts.
+
+    The top-level ``if`` statements of the request loop's body after the dropped
+    statement whose body ends in ``continue`` are vLLM's own "skip this request's store"
+    branches (nothing to store, ``prepare_store`` refused, nothing new). The statements
+    every one of them runs (same normalized text; e.g. 0.26.0's
+    ``self._maybe_cleanup_finished_req(req_id, req_status)``, none on 0.25.1 or 0.33.0)
+    are what a drop must run too, so a finished request's state is not leaked. Deep
+    copies, in the order of the first branch; ``[]`` when there is no such branch.
+    """
+    branches = [
+        st.body[:-1]
+        for st in later
+        if isinstance(st, ast.If) and st.body and isinstance(st.body[-1], ast.Continue)
+    ]
+    if not branches:
+        return []
+    common = set.intersection(*({normalize_statement(x) for x in b} for b in branches))
+    return [copy.deepcopy(x) for x in branches[0] if normalize_statement(x) in common]
+
+
+def _wrap_request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef, spec: SiteSpec) -> None:
+    """Make ``func``'s body ``try: <body> except @kvguard_RequestFailed:
+    fail_request(site, locals()); return None`` (the docstring stays first)."""
+    body = list(func.body)
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        body = body[1:] or [ast.Pass()]  # keep the docstring out of the try (co_consts[0])
+        func.body = [first]
+    else:
+        func.body = []
+    call = _gen(
+        ast.Call(
+            func=_gen(_name(GLOBAL_FAIL_REQUEST)),
+            args=[
+                _gen(ast.Constant(spec.site_id)),
+                _gen(ast.Call(func=_gen(_name(GLOBAL_LOCALS)), args=[], keywords=[])),
+            ],
+            keywords=[],
+        )
+    )
+    handler = _gen(
+        ast.ExceptHandler(
+            type=_gen(_name(GLOBAL_REQUEST_FAILED)),
+            name=None,
+            body=[_gen(ast.Expr(value=call)), _gen(ast.Return(value=_gen(ast.Constant(None))))],
+        )
+    )
+    new = _gen(ast.Try(body=body, handlers=[handler], orelse=[], finalbody=[]))
+    _locate(new, body[0])
+    func.body.append(new)
+
+
 def rewrite_function(
     tree: ast.Module, qualname: str, specs: list[SiteSpec]
 ) -> tuple[ast.Module, set[str]] | None:
@@ -400,6 +492,10 @@ def rewrite_function(
     rewriter = SiteRewriter(specs)
     # visit the body only: the def itself is the scope, not a nested one
     func.body = rewriter._visit_stmts(func.body)
+    scope = next((sp for sp in specs if sp.kind == KIND_REQUEST_SCOPE), None)
+    if scope is not None:
+        _wrap_request_scope(func, scope)
+        rewriter.found.add(scope.site_id)
     inner: ast.stmt = func
     for cls in reversed(classes):
         shell = ast.ClassDef(name=cls.name, bases=[], keywords=[], body=[inner], decorator_list=[])

@@ -19,18 +19,29 @@ evaluations series stays 0 and :func:`snapshot` reports its ``evaluated`` as Non
 Policies (``../shared/DESIGN.md``):
 
 ============  ================================================================================
-``observe``   vLLM's own assert decides; kvguard counts, measures headroom and logs.
+``observe``   exactly vLLM's behaviour: vLLM's own assert decides; kvguard counts, measures
+              headroom and logs (every failure is ``raised``).
 ``guard``     vLLM's too-strict SWA assert is replaced by the exact bound (#48959): legal loads
-              continue and are counted as *tolerated*. An inconsistent store spec (#42945) is
-              dropped and its keys released (action ``store_dropped``). Any other failure is
-              counted, logged and re-raised. Guard never raises where vLLM's own assert passes.
+              continue and are counted as *tolerated*. Store side: an inconsistent store spec
+              (#42945, after ``prepare_store``) is dropped and its keys released; a
+              ``len(offload_keys) == len(offload_block_ids)`` failure in the store builder's
+              request loop (#49118, #52170, #55503, before ``prepare_store``: nothing to
+              release) drops that request's store for this step (action ``store_dropped``).
+              Request side: a failed assert of a request-scoped method before it issues the
+              load (e.g. #43884's ``num_locally_computed_tokens`` bound in
+              ``update_state_after_alloc``) fails that request alone with ``FINISHED_ERROR``,
+              its blocks freed, no load issued (action ``request_failed``,
+              :mod:`kvguard.guards.degrade`). Any other failure (not tied to one store or one
+              request) is counted, logged and re-raised. The Mamba single-state limit stays
+              exactly vLLM's (raised). Guard never raises where vLLM's own assert passes.
 ``strict``    exact invariants on top of vLLM's: any failure of either raises.
 ============  ================================================================================
 
 ``kvguard_check_tolerated_total`` counts failures of vLLM's assert that the guard let
 through; ``kvguard_invariant_violations_total{check,action}`` counts every other failure
 (``raised``: the AssertionError propagated; ``store_dropped``; ``continued``: the exact
-invariant failed but vLLM's looser assert passed and vLLM went on).
+invariant failed but vLLM's looser assert passed and vLLM went on; ``request_failed``: one
+request was failed alone).
 
 Sinks (metrics, events) are no-ops until :func:`configure` sets them; an exception inside
 kvguard code is counted in ``kvguard_guard_errors_total{stage}`` and vLLM's own behaviour
@@ -48,10 +59,13 @@ from types import CodeType
 from typing import Any
 
 from kvguard.guards import invariants, names
+from kvguard.guards.rewrite import GLOBAL_FAIL_REQUEST
 from kvguard.guards.sites import KIND_WINDOW, Site
 
 __all__ = [
     "StoreDropped",
+    "RequestFailed",
+    "fail_request",
     "check",
     "drop_store",
     "snapshot",
@@ -76,6 +90,17 @@ class StoreDropped(AssertionError):
     """
 
 
+class RequestFailed(AssertionError):
+    """Raised by a request-scoped assert under ``guard`` (issue 9 item 3).
+
+    The rewritten request-scoped method (``update_state_after_alloc``) catches it around
+    its whole body and returns before it issued the request's load; the request was
+    registered with :mod:`kvguard.guards.degrade`, which finishes it with
+    ``FINISHED_ERROR`` at the next ``update_from_output``. An ``AssertionError`` so that
+    any other caller sees exactly vLLM's exception type.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class _SiteRT:
     site_id: str
@@ -86,6 +111,10 @@ class _SiteRT:
     module_globals: dict[str, Any] | None = None
     #: the window site: the local name of the pending GPU blocks (the assert's left side)
     pending_name: str | None = None
+    #: store_call sites: the drop releases the prepared keys (#42945), or nothing (#49118)
+    release_keys: bool = False
+    #: generic assert of a request-scoped method before its load is issued
+    request_scoped: bool = False
 
 
 #: site id -> runtime info (filled by :func:`register` as modules are instrumented).
@@ -102,7 +131,11 @@ def register(sites: list[Site], module_globals: dict[str, Any] | None = None) ->
         if site.kind == KIND_WINDOW and site.bound_expr:
             code = compile(site.bound_expr, f"<vllm bound of {site.site_id}>", "eval")
         pending = site.pending_expr if site.pending_expr and site.pending_expr.isidentifier() else None
-        _SITE_RT[site.site_id] = _SiteRT(site.site_id, site.check, site.kind, code, module_globals, pending)
+        _SITE_RT[site.site_id] = _SiteRT(
+            site.site_id, site.check, site.kind, code, module_globals, pending,
+            release_keys=getattr(site, "release_keys", False),
+            request_scoped=getattr(site, "request_scoped", False),
+        )
 
 _lock = threading.Lock()
 _evals: dict[str, int] = {}
@@ -260,12 +293,25 @@ def check(site_id: str, ok: bool, context: dict[str, Any] | None = None, msg: An
 def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> BaseException:
     action = names.ACTION_RAISED
     exc: BaseException = _exc(msg)
-    if (
-        site.check == names.CHECK_GROUP_SIZES_CONSISTENCY
-        and _policy == names.POLICY_GUARD
-        and _called_from_store_builder()
+    # frame 0: this function, 1: check, 2: the vLLM function that holds the assert
+    holder = sys._getframe(2)
+    if _policy != names.POLICY_GUARD:
+        pass  # observe: vLLM's behaviour; strict: raise
+    elif site.check == names.CHECK_GROUP_SIZES_CONSISTENCY and holder.f_back is not None and (
+        holder.f_back.f_code in STORE_BUILDER_CODES
     ):
-        action = names.ACTION_STORE_DROPPED
+        action = names.ACTION_STORE_DROPPED  # GPULoadStoreSpec.__init__ called by the store builder
+    elif site.check == names.CHECK_STORE_KEYS_CONSISTENCY and holder.f_code in STORE_BUILDER_CODES:
+        action = names.ACTION_STORE_DROPPED  # the assert is in the store builder's request loop
+    elif site.request_scoped and GLOBAL_FAIL_REQUEST in holder.f_code.co_names:
+        from kvguard.guards import degrade
+
+        rid = _request_id(context)
+        error = _failure_text(site, msg)
+        if rid is not None and degrade.register_failure(rid, error, site.site_id, holder):
+            action = names.ACTION_REQUEST_FAILED
+            exc = RequestFailed(msg) if msg is not _NO_MSG else RequestFailed()
+    if action == names.ACTION_STORE_DROPPED:
         exc = StoreDropped(msg) if msg is not _NO_MSG else StoreDropped()
     _count_violation(site, site.check, action)
     _events.check_failed(
@@ -311,11 +357,32 @@ def _blocks_per_chunk(context: dict[str, Any]) -> int | None:
     return None
 
 
-def _called_from_store_builder() -> bool:
-    # frame 0: this helper, 1: _check_failed_assert, 2: check, 3: the vLLM function that
-    # holds the assert (GPULoadStoreSpec.__init__), 4: its caller.
-    frame = sys._getframe(4)
-    return frame.f_code in STORE_BUILDER_CODES
+def _failure_text(site: _SiteRT, msg: Any) -> str:
+    """What a failed request's client is told: the site and vLLM's assert (its text when
+    the assert has no message)."""
+    detail = "" if msg is _NO_MSG else f": {msg}"
+    reg = _site_registry_entry(site.site_id)
+    test = f" ({reg.fingerprint})" if reg is not None and not detail else ""
+    return f"kvguard: offload invariant failed at {site.site_id}{detail}{test}; request failed alone"
+
+
+def _site_registry_entry(site_id: str) -> Any:
+    from kvguard.guards import sites as site_registry
+
+    return site_registry.registered(site_id)
+
+
+def fail_request(site_id: str, context: dict[str, Any]) -> None:
+    """Called by a rewritten request-scoped method after :class:`RequestFailed`, with its
+    ``locals()``, as it returns early (before it issued the request's load). The
+    decision and the binding were made in :func:`check`; this confirms that the method
+    really stopped, for :mod:`kvguard.guards.degrade`. Never raises (``stage="request_fail"``)."""
+    try:
+        from kvguard.guards import degrade
+
+        degrade.method_returned(_request_id(context))
+    except Exception as error:
+        guard_error(names.STAGE_REQUEST_FAIL, error)
 
 
 def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int | None, int] | None:
@@ -465,22 +532,34 @@ def drop_store(site_id: str, context: dict[str, Any]) -> None:
 
     Called by the rewritten ``_build_store_jobs`` after :class:`StoreDropped`, with its
     ``locals()``: ``self`` (the OffloadingConnectorScheduler), ``req_status`` and
-    ``keys_to_store``. Calls ``self.manager.complete_store(keys, req_context,
-    success=False)``, which frees the CPU blocks that ``prepare_store`` allocated and
-    never marks them stored. Never raises (errors count ``stage="store_drop"``).
+    ``keys_to_store``. For a site that runs after ``prepare_store`` (``release_keys``,
+    #42945) it calls ``self.manager.complete_store(keys, req_context, success=False)``,
+    which frees the CPU blocks that ``prepare_store`` allocated and never marks them
+    stored. For the ``store_keys_consistency`` site (#49118 class) the assert fires
+    before ``prepare_store``: nothing is released; the builder then skips to the next
+    request (the request's store cursor did not move, so a live request retries next
+    step). Never raises (errors count ``stage="store_drop"``).
     """
     try:
-        scheduler = context["self"]
-        req_status = context["req_status"]
-        keys = context["keys_to_store"]
-        scheduler.manager.complete_store(keys, req_status.req_context, success=False)
+        rt = _SITE_RT.get(site_id)
+        check_name = rt.check if rt is not None else names.CHECK_GROUP_SIZES_CONSISTENCY
+        released = 0
+        if rt is None or rt.release_keys:
+            scheduler = context["self"]
+            req_status = context["req_status"]
+            keys = context["keys_to_store"]
+            scheduler.manager.complete_store(keys, req_status.req_context, success=False)
+            released = len(keys)
+        # else (#49118 class): the assert fired before prepare_store in this request's
+        # iteration, so nothing was prepared and nothing is released; a keys_to_store
+        # local of an earlier iteration belongs to another request's store and is left alone.
         _events.store_dropped(
             site=site_id,
-            check=names.CHECK_GROUP_SIZES_CONSISTENCY,
+            check=check_name,
             policy=_policy,
             vllm_version=_vllm_version,
             request_id=context.get("req_id"),
-            released_keys=len(keys),
+            released_keys=released,
         )
     except Exception as error:
         guard_error(names.STAGE_STORE_DROP, error)
@@ -518,6 +597,9 @@ def reset() -> None:
         for d in (_evals, _tolerated, _violations, _max_pending, _bound, _guard_errors):
             d.clear()
         _last_failed_site = None
+    from kvguard.guards import degrade
+
+    degrade.reset()
 
 
 def guard_errors() -> dict[str, int]:

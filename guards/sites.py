@@ -41,6 +41,24 @@ assert of the installed release (identical asserts in one function share an id).
   needs (:data:`STORE_DROP_LOCALS`). Expected wherever such a construction exists in a
   store builder.
 
+- ``store_keys`` (vLLM #49118, #52170, #55503): in the same store builder, an assert
+  ``len(<a>) == len(<b>)`` inside the builder's request loop (the outermost loop of the
+  method's own scope) that runs before the loop's ``prepare_store`` call (so nothing is
+  prepared yet and nothing needs releasing). Its check is ``store_keys_consistency``;
+  a second site (``...:store_skip:<hash>``, kind ``store_call``) wraps the statement of
+  the request loop's body that holds the assert, so a drop skips to the next request.
+  Such an assert after ``prepare_store`` is not matched (it stays generic and is
+  re-raised: which keys to release would not be provable); it is then reported as
+  ``special_missing``.
+- the request scope (issue 9 item 3, e.g. #43884's ``num_locally_computed_tokens``
+  assert): a method of an offload ``*Scheduler`` class that takes ``request``, returns
+  nothing (only bare ``return``) and calls ``prepare_load``: its generic asserts that
+  run before the first ``prepare_load`` are marked :attr:`Site.request_scoped`, and a
+  site ``...:request_scope`` (kind ``request_scope``) wraps the method's body so that
+  under ``guard`` such a failure fails that request alone
+  (:mod:`kvguard.guards.degrade`): no load was issued for it yet, so it can never be
+  computed on KV that was not loaded.
+
 A special site that its module should have (by the structural expectation above) and
 that is not matched is reported as ``special_missing``: an event and
 ``kvguard_site_installed{site} 0``. Nothing else is ever "missing".
@@ -52,11 +70,13 @@ from __future__ import annotations
 
 import ast
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvguard.guards import names
 from kvguard.guards.rewrite import (
     KIND_ASSERT,
+    KIND_REQUEST_SCOPE,
     KIND_STORE_CALL,
     KIND_WINDOW,
     fingerprint_id,
@@ -83,7 +103,9 @@ __all__ = [
     "SPECIAL_WINDOW",
     "SPECIAL_GROUP_SIZES",
     "SPECIAL_STORE_DROP",
+    "SPECIAL_STORE_KEYS",
     "KIND_ASSERT",
+    "KIND_REQUEST_SCOPE",
     "KIND_WINDOW",
     "KIND_STORE_CALL",
 ]
@@ -106,6 +128,7 @@ STORE_DROP_LOCALS: tuple[str, ...] = ("self", "req_status", "keys_to_store")
 SPECIAL_WINDOW = "swa_pending_bound"
 SPECIAL_GROUP_SIZES = "group_sizes"
 SPECIAL_STORE_DROP = "store_drop"
+SPECIAL_STORE_KEYS = "store_keys"
 
 
 def in_scope(module: str) -> bool:
@@ -159,7 +182,8 @@ class Site:
     normalized assert test (or whole statement for ``store_call``), which the rewriter
     matches; ``lineno``: where it was seen (information only); ``issue``: the upstream
     issue of a special site; ``bound_expr`` / ``pending_expr``: for the window site, the
-    source text of vLLM's own bound (GPU blocks) and of the pending count.
+    source text of vLLM's own bound (GPU blocks) and of the pending count;
+    ``release_keys`` / ``request_scoped``: see the fields.
     """
 
     site_id: str
@@ -172,6 +196,11 @@ class Site:
     issue: str | None = None
     bound_expr: str | None = None
     pending_expr: str | None = None
+    #: ``store_call`` sites: True when the store's keys were prepared before the site
+    #: (``prepare_store`` ran): a drop releases them; False: nothing to release.
+    release_keys: bool = False
+    #: generic asserts of a request-scoped method before its ``prepare_load`` (issue 9 #3)
+    request_scoped: bool = False
 
 
 @dataclass
@@ -250,6 +279,89 @@ def _binds(func: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(func))
 
 
+def _is_len_compare(test: ast.expr) -> bool:
+    """``len(<a>) == len(<b>)``: the keys-vs-block-ids class of the store builder."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = (test.left, test.comparators[0])
+    return all(
+        isinstance(x, ast.Call) and isinstance(x.func, ast.Name) and x.func.id == "len" and len(x.args) == 1
+        for x in sides
+    )
+
+
+def _own_walk(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk`` that does not enter nested functions, lambdas or classes."""
+    todo = [node]
+    while todo:
+        cur = todo.pop()
+        yield cur
+        for child in ast.iter_child_nodes(cur):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                todo.append(child)
+
+
+def _calls_attr(node: ast.AST, attr: str) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+        for n in _own_walk(node)
+    )
+
+
+def _outer_loops(func: ast.AST) -> list[ast.For | ast.AsyncFor | ast.While]:
+    """The loops of ``func``'s own scope that are not inside another loop."""
+    found: list[ast.For | ast.AsyncFor | ast.While] = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
+                found.append(child)
+            else:
+                walk(child)
+
+    walk(func)
+    return found
+
+
+def _store_keys_asserts(func: ast.AST) -> list[tuple[ast.Assert, ast.stmt, bool]]:
+    """``(assert, statement of the request loop's body that holds it, before_prepare)``
+    for every ``len(a) == len(b)`` assert inside an outer loop of the store builder;
+    ``before_prepare``: the statement comes before the body's first ``prepare_store``."""
+    out: list[tuple[ast.Assert, ast.stmt, bool]] = []
+    for loop in _outer_loops(func):
+        prepare_at = next(
+            (i for i, st in enumerate(loop.body) if _calls_attr(st, "prepare_store")), len(loop.body)
+        )
+        for i, stmt in enumerate(loop.body):
+            for node in _own_walk(stmt):
+                if isinstance(node, ast.Assert) and _is_len_compare(node.test):
+                    out.append((node, stmt, i < prepare_at))
+    return out
+
+
+def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
+    """Line of the first ``prepare_load`` call when ``func`` is request-scoped (takes
+    ``request``, returns nothing, issues a load), else None."""
+    a = func.args
+    if not any(arg.arg == "request" for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
+        return None
+    own = list(_own_walk(func))
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await)) for n in own):
+        return None
+    if any(isinstance(n, ast.Return) and n.value is not None for n in own):
+        return None
+    if any(_calls_attr(loop, "prepare_load") for loop in _outer_loops(func)):
+        return None  # a load issued in a loop: a later assert could follow a half-issued load
+    lines = [
+        n.lineno
+        for n in own
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "prepare_load"
+    ]
+    return min(lines) if lines else None
+
+
 def discover(module: str, tree: ast.Module) -> Discovery:
     """Every check site of one in-scope module's source (see the module docstring).
 
@@ -273,6 +385,12 @@ def discover(module: str, tree: ast.Module) -> Discovery:
             "sliding_window" in i for i in _idents(classes[-1])
         ):
             result.expected_special.add(SPECIAL_WINDOW)
+        is_store_builder = owner.endswith("Scheduler") and "store" in method
+        store_keys = {id(a): (stmt, before) for a, stmt, before in _store_keys_asserts(func)} if is_store_builder else {}
+        if store_keys:
+            result.expected_special.add(SPECIAL_STORE_KEYS)
+        load_line = _request_scope(func) if owner.endswith("Scheduler") else None
+        scoped = False
         for node in ast.walk(func):
             if not isinstance(node, ast.Assert):
                 continue
@@ -292,11 +410,33 @@ def discover(module: str, tree: ast.Module) -> Discovery:
                     names.CHECK_GROUP_SIZES_CONSISTENCY, fp, node.lineno, "vllm#42945",
                 )
                 result.special.setdefault(SPECIAL_GROUP_SIZES, []).append(site)
+            elif id(node) in store_keys and store_keys[id(node)][1] and _binds(func, "self"):
+                stmt = store_keys[id(node)][0]
+                site = Site(
+                    f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
+                    names.CHECK_STORE_KEYS_CONSISTENCY, fp, node.lineno, "vllm#49118",
+                )
+                skip = Site(
+                    f"{short}:{qualname}:store_skip:{fingerprint_id(fp)}", module, qualname, KIND_STORE_CALL,
+                    names.CHECK_STORE_KEYS_CONSISTENCY, normalize_statement(stmt), stmt.lineno, "vllm#49118",
+                    release_keys=False,
+                )
+                result.special.setdefault(SPECIAL_STORE_KEYS, []).extend([site, skip])
+                if skip.site_id not in {s.site_id for s in result.sites}:
+                    result.sites.append(skip)
             else:
+                in_scope_of_request = load_line is not None and node.lineno < load_line
+                scoped = scoped or in_scope_of_request
                 site = Site(f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
-                            generic_check, fp, node.lineno)
+                            generic_check, fp, node.lineno, request_scoped=in_scope_of_request)
             if site.site_id not in {s.site_id for s in result.sites}:
                 result.sites.append(site)
+        if scoped:
+            site = Site(
+                f"{short}:{qualname}:request_scope", module, qualname, KIND_REQUEST_SCOPE,
+                generic_check, qualname, func.lineno, "kvguard#9",
+            )
+            result.sites.append(site)
         if owner.endswith("Scheduler") and "store" in method:
             constructions = _store_constructions(func)
             if constructions:
@@ -306,7 +446,7 @@ def discover(module: str, tree: ast.Module) -> Discovery:
                         site = Site(
                             f"{short}:{qualname}:store_drop", module, qualname, KIND_STORE_CALL,
                             names.CHECK_GROUP_SIZES_CONSISTENCY, normalize_statement(node), node.lineno,
-                            "vllm#42945",
+                            "vllm#42945", release_keys=True,
                         )
                         result.special.setdefault(SPECIAL_STORE_DROP, []).append(site)
                         if site.site_id not in {s.site_id for s in result.sites}:

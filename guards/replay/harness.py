@@ -59,6 +59,13 @@ class ReplayResult:
     stalled: bool = False
     submitted: int = 0
     finished: int = 0
+    #: requests the trace aborted (``abort_at_step``) through ``Scheduler.finish_requests``
+    aborted: int = 0
+    #: requests that finished with an error status (``FINISHED_ERROR``; kvguard's
+    #: ``request_failed`` action): ``[{"request_id", "error"}]``, in finish order
+    failed_requests: list[dict[str, str]] = field(default_factory=list)
+    #: trace requests that never arrived because a request they wait for failed
+    not_arrived: int = 0
     steps: int = 0
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
@@ -83,12 +90,14 @@ class ReplayResult:
 
     @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived, every submitted request finished, and
-        the KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
+        """Exit-0 condition: the engine survived, did not stall, every submitted request
+        finished, was aborted by the trace, or was failed alone with an error status (its
+        client got an error: not a lost request; see ``failed_requests``), and the
+        KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
         return (
             self.engine_survived
             and not self.stalled
-            and self.finished == self.submitted
+            and self.finished + self.aborted + len(self.failed_requests) == self.submitted
             and self.wrong_kv_blocks == 0
         )
 
@@ -540,6 +549,43 @@ def _make_request(engine: Engine, treq: TraceRequest, prompt: list[int]) -> Any:
     )
 
 
+def _finished_with_error(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ERROR
+
+
+def _failure_error(request: Any) -> str:
+    """kvguard's error text for a request it failed (guards/degrade.py), else the status."""
+    try:
+        from kvguard.guards import degrade
+
+        error = degrade.failed_requests().get(request.request_id)
+    except Exception:
+        error = None
+    return error or f"{request.status.name} (finish reason {request.get_finished_reason()})"
+
+
+def _abort_request(scheduler: Any, request_id: str) -> None:
+    """Abort one request the way EngineCore does on a client disconnect.
+
+    Calls the real ``Scheduler.finish_requests(request_ids, finished_status)`` with
+    ``RequestStatus.FINISHED_ABORTED``; the arguments are bound by the installed
+    release's signature (0.21.0, 0.25.1 and 0.33.0 all name them
+    ``request_ids, finished_status``), so a renamed keyword fails loudly here.
+    """
+    import inspect
+
+    from vllm.v1.request import RequestStatus
+
+    finish = scheduler.finish_requests
+    params = list(inspect.signature(finish).parameters)
+    args = inspect.signature(finish).bind(
+        **{params[0]: request_id, params[1]: RequestStatus.FINISHED_ABORTED}
+    )
+    finish(*args.args, **args.kwargs)
+
+
 def run_replay(
     trace: Trace,
     *,
@@ -579,6 +625,8 @@ def run_replay(
     live: dict[str, Any] = {}
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
+    aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
+    failed_ids: set[str] = set()
     idle_steps = 0
     t_start = time.perf_counter()
     try:
@@ -607,6 +655,15 @@ def run_replay(
                 result.submitted += 1
                 arrived = True
             pending = still
+            # Client aborts (trace ``abort_at_step``): after this step's arrivals, before
+            # its schedule(); only a request that has arrived and is not finished.
+            for rid, at in aborts.items():
+                req = live.get(rid)
+                if at == step and req is not None and not req.is_finished():
+                    _abort_request(scheduler, rid)
+                    live.pop(rid)
+                    result.aborted += 1
+                    arrived = True  # progress: the stall counter restarts
             if not live and not pending:
                 break
 
@@ -622,8 +679,18 @@ def run_replay(
 
             done_now = [rid for rid, req in live.items() if req.is_finished()]
             for rid in done_now:
-                outputs[rid] = list(live.pop(rid).output_token_ids)
+                req = live.pop(rid)
+                if _finished_with_error(req):
+                    failed_ids.add(rid)
+                    result.failed_requests.append({"request_id": rid, "error": _failure_error(req)})
+                    continue
+                outputs[rid] = list(req.output_token_ids)
                 finished.add(rid)
+            if failed_ids:  # a request waiting for a failed one never arrives
+                blocked = [t for t in pending if any(w in failed_ids for w in t.waits_for)]
+                if blocked:
+                    result.not_arrived += len(blocked)
+                    pending = [t for t in pending if t not in blocked]
             result.finished = len(finished)
             if sched_out.total_num_scheduled_tokens or done_now or arrived:
                 idle_steps = 0
