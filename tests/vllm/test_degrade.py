@@ -114,6 +114,12 @@ def test_planted_request_assert_with_the_guard_fails_that_request_alone(planted)
     assert r["left_requests"] == [] and "victim" not in r["req_status_left"]
     assert r["free_blocks"] == r["num_gpu_blocks"] - 1
     assert r["pending_store_keys"] == 0 and r["guard_errors"] == {}
-    (event,) = [e for e in r["events"] if e["event"] == "check_failed"]
-    assert (event["action"], event["request_id"], event["check"]) == ("request_failed", "victim", "scheduler_assert")
+    failed_events = [e for e in r["events"] if e["event"] == "check_failed"]
+    (event,) = [e for e in failed_events if e["action"] == "request_failed"]
+    assert (event["request_id"], event["check"]) == ("victim", "scheduler_assert")
     assert event["site"].startswith("offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:")
+    # 0.26.0 then builds a store for the finished victim up to req.num_tokens with no
+    # block ids (the #49118 mechanism): that store is dropped too; nothing else fails
+    others = [(e["check"], e["action"], e["request_id"]) for e in failed_events if e is not event]
+    expected_others = [("store_keys_consistency", "store_dropped", "victim")] if DIES_49118.get(VERSION) else []
+    assert others == expected_others
