@@ -17,6 +17,18 @@ structure cannot be checked: that is counted once per connector scheduler as
 ``kvguard_guard_errors_total{stage="admission"}`` with the reason in the event, and
 vLLM's answer passes through.
 
+What is read: every chunk of a sliding-window group's load set (at most
+``cdiv(sliding_window + extra_retained_tokens, tokens_per_chunk) + 1`` chunks), and the
+first and last chunk of a full-attention group's load set. The interior of a
+full-attention load set is what vLLM's own lookup has just confirmed: in 0.21.0-0.33.0
+a full-attention group's hit is a maximal run of HIT chunks starting at
+``num_computed_tokens // tokens_per_chunk`` (``_maximal_prefix_lookup``) and nothing
+evicts between that lookup and the admission check (evictions happen in
+``prepare_store``, at ``build_connector_meta``). Reading every chunk there costs about
+as much as vLLM's lookup itself (measured on the bench trace: 18-29 us per lookup,
+2.3% of step time), so it is opt-in: ``KVGUARD_ADMISSION_FULL=1``. On a failure every
+chunk of every group is read to find the longest loadable hit.
+
 When every chunk is loadable, vLLM's answer is returned untouched (the same tuple
 object). Otherwise, by policy:
 
@@ -38,6 +50,7 @@ set: its boundary key is not a chunk of :mod:`~kvguard.guards.load_coverage`).
 from __future__ import annotations
 
 import ast
+import os
 import inspect
 import textwrap
 import threading
@@ -55,6 +68,8 @@ _metrics: Any = None
 _events: Any = None
 #: Attribute cached on each connector scheduler instance (its plan or why it has none).
 _PLAN_ATTR = "_kvguard_admission_plan"
+#: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
+_FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
 
 
 class Unsupported(Exception):
@@ -97,22 +112,32 @@ def _bump(key: str, amount: int = 1) -> None:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[GroupGeometry, ...]
-    getter: Callable[[Any], Any]
+    #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
+    #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
+    policy: Any
+    dict_attr: str | None
+
+    def getter(self) -> Callable[[Any], Any]:
+        """``key -> entry | None``, side-effect free (a builtin ``dict.get`` when possible)."""
+        if self.dict_attr is not None:
+            return getattr(self.policy, self.dict_attr).get
+        return self.policy.get
 
 
-def _is_pure_dict_get(func: Any) -> bool:
-    """True when ``func``'s body is one ``return`` built only of ``self.<attr>.get(<arg>)``
-    calls joined by ``or`` (a read of the policy's dicts, no reordering)."""
+def _pure_dict_get(func: Any) -> list[str] | None:
+    """The dict attributes ``func`` reads when its body is one ``return`` built only of
+    ``self.<attr>.get(<arg>)`` calls joined by ``or`` (a read of the policy's dicts, no
+    reordering); None when it is anything else."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
     fn = tree.body[0] if tree.body else None
     if not isinstance(fn, ast.FunctionDef):
-        return False
+        return None
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
-        return False
+        return None
 
     def pure(node: ast.AST) -> bool:
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
@@ -129,11 +154,14 @@ def _is_pure_dict_get(func: Any) -> bool:
             and not node.keywords
         )
 
-    return pure(body[0].value)
+    if not pure(body[0].value):
+        return None
+    return [n.func.value.attr for n in ast.walk(body[0].value) if isinstance(n, ast.Call)]
 
 
-def _policy_getter(manager: Any) -> Callable[[Any], Any]:
-    """A side-effect-free ``key -> entry | None`` of the manager's cache policy; Unsupported."""
+def _policy_reader(manager: Any) -> tuple[Any, str | None]:
+    """``(policy, dict attribute or None)``: how to read the manager's cache policy
+    without side effects (see :class:`_Plan`); Unsupported."""
     for owner in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
         if owner is None:
             continue
@@ -143,8 +171,10 @@ def _policy_getter(manager: Any) -> Callable[[Any], Any]:
             cls = type(policy)
             if policy is None or not all(callable(getattr(cls, m, None)) for m in ("get", "insert", "remove")):
                 continue
-            if _is_pure_dict_get(cls.get):
-                return policy.get
+            attrs = _pure_dict_get(cls.get)
+            if attrs is not None:
+                single = len(attrs) == 1 and isinstance(getattr(policy, attrs[0], None), dict)
+                return policy, attrs[0] if single else None
             raise Unsupported(f"{cls.__qualname__}.get is not a plain dict read")
     raise Unsupported(f"no cache policy with get/insert/remove on {type(manager).__qualname__}")
 
@@ -192,7 +222,7 @@ def _plan(cs: Any) -> _Plan:
             )
         else:
             raise Unsupported(f"KV cache group kind {kind!r} is not modelled by load_coverage")
-    return _Plan(tuple(groups), _policy_getter(cs.manager))
+    return _Plan(tuple(groups), *_policy_reader(cs.manager))
 
 
 def _get_plan(cs: Any) -> _Plan | None:
@@ -226,11 +256,11 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
         if plan is None or getattr(req_status, "partial_tail_boundary", None) is not None:
             _bump("unchecked")
             return answer
-        keys = [gs.offload_keys for gs in req_status.group_states]
-        get = plan.getter
+        group_states = req_status.group_states
+        get = plan.getter()
 
         def loadable(group: int, chunk: int) -> bool:
-            group_keys = keys[group]
+            group_keys = group_states[group].offload_keys
             if chunk >= len(group_keys):
                 return False
             entry = get(group_keys[chunk])
@@ -238,10 +268,29 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
 
         num_cached = num_computed_tokens + hit
         _bump("evaluated")
-        missing = [
-            (g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
-            for c in chunks if not loadable(g, c)
-        ]
+        missing = None
+        for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached)):
+            # fast path: one C-level map over the group's keys, stop at the first miss
+            group_keys = group_states[g].offload_keys
+            if chunks.stop <= len(group_keys):
+                if plan.groups[g].sliding_window_tokens is None and len(chunks) > 2:
+                    # full attention: vLLM's lookup is a maximal run of HIT chunks from
+                    # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior
+                    # of this range was just confirmed; the ends are where a hit could
+                    # reach past it (see the module docstring). KVGUARD_ADMISSION_FULL=1
+                    # checks every chunk.
+                    span = group_keys[chunks.start : chunks.stop] if _FULL else (
+                        group_keys[chunks.start], group_keys[chunks.stop - 1])
+                else:
+                    span = group_keys[chunks.start : chunks.stop]
+                for entry in map(get, span):
+                    if entry is None or not entry.is_ready:
+                        break
+                else:
+                    continue
+            missing = [(g2, c) for g2, cs2 in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
+                       for c in cs2 if not loadable(g2, c)]
+            break
         if not missing:
             return answer
         policy = runtime.policy()
