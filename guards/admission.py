@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvguard.guards import names, runtime
-from kvguard.guards.load_coverage import GroupGeometry, load_set, longest_loadable_hit
+from kvguard.guards.load_coverage import GroupGeometry, load_chunk_bounds, load_set, longest_loadable_hit
 
 __all__ = ["admission_wrapper", "admit", "configure", "unconfigure", "snapshot", "reset", "Unsupported"]
 
@@ -112,6 +112,8 @@ def _bump(key: str, amount: int = 1) -> None:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[GroupGeometry, ...]
+    #: per group (tokens_per_block, blocks_per_chunk, retained tokens or None, is full attention)
+    fast: tuple[tuple[int, int, int | None, bool], ...]
     #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
     #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
     policy: Any
@@ -222,7 +224,13 @@ def _plan(cs: Any) -> _Plan:
             )
         else:
             raise Unsupported(f"KV cache group kind {kind!r} is not modelled by load_coverage")
-    return _Plan(tuple(groups), *_policy_reader(cs.manager))
+    fast = tuple(
+        (g.tokens_per_block, g.blocks_per_chunk,
+         None if g.sliding_window_tokens is None else g.sliding_window_tokens + g.extra_retained_tokens,
+         g.sliding_window_tokens is None)
+        for g in groups
+    )
+    return _Plan(tuple(groups), fast, *_policy_reader(cs.manager))
 
 
 def _get_plan(cs: Any) -> _Plan | None:
@@ -258,59 +266,69 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
             return answer
         group_states = req_status.group_states
         get = plan.getter()
-
-        def loadable(group: int, chunk: int) -> bool:
-            group_keys = group_states[group].offload_keys
-            if chunk >= len(group_keys):
-                return False
-            entry = get(group_keys[chunk])
-            return entry is not None and bool(entry.is_ready)
-
         num_cached = num_computed_tokens + hit
         _bump("evaluated")
-        missing = None
-        for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached)):
-            # fast path: one C-level map over the group's keys, stop at the first miss
+        for g, (tpb, bpc, retained, full) in enumerate(plan.fast):
+            first, stop = load_chunk_bounds(tpb, bpc, retained, num_computed_tokens, num_cached)
+            if first == stop:
+                continue
             group_keys = group_states[g].offload_keys
-            if chunks.stop <= len(group_keys):
-                if plan.groups[g].sliding_window_tokens is None and len(chunks) > 2:
-                    # full attention: vLLM's lookup is a maximal run of HIT chunks from
-                    # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior
-                    # of this range was just confirmed; the ends are where a hit could
-                    # reach past it (see the module docstring). KVGUARD_ADMISSION_FULL=1
-                    # checks every chunk.
-                    span = group_keys[chunks.start : chunks.stop] if _FULL else (
-                        group_keys[chunks.start], group_keys[chunks.stop - 1])
-                else:
-                    span = group_keys[chunks.start : chunks.stop]
-                for entry in map(get, span):
-                    if entry is None or not entry.is_ready:
-                        break
-                else:
-                    continue
-            missing = [(g2, c) for g2, cs2 in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
-                       for c in cs2 if not loadable(g2, c)]
+            if stop > len(group_keys):
+                break
+            if full and not _FULL and stop - first > 2:
+                # full attention: vLLM's lookup is a maximal run of HIT chunks from
+                # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior of
+                # this range was just confirmed; the ends are where a hit could reach past
+                # it (module docstring). KVGUARD_ADMISSION_FULL=1 reads every chunk.
+                span: Any = (group_keys[first], group_keys[stop - 1])
+            else:
+                span = group_keys[first:stop]
+            for entry in map(get, span):  # C-level map, stops at the first miss
+                if entry is None or not entry.is_ready:
+                    break
+            else:
+                continue
             break
-        if not missing:
-            return answer
-        policy = runtime.policy()
-        if policy == names.POLICY_OBSERVE:
-            return _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_CONTINUED, policy, answer)
-        if policy == names.POLICY_STRICT:
-            _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_RAISED, policy, answer)
-            raise _StrictFailure(
-                f"kvguard load_coverage: hit of {hit} tokens after {num_computed_tokens} local tokens "
-                f"reads {len(missing)} chunk(s) not present/ready in the offload tier (first: group "
-                f"{missing[0][0]} chunk {missing[0][1]})"
-            )
-        reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_cached, loadable)
-        new_answer = (reduced, bool(answer[1]) and reduced > 0)
-        return _decide(request, num_computed_tokens, hit, reduced, missing, names.ACTION_HIT_REDUCED, policy, new_answer)
+        else:
+            return answer  # every group loadable: vLLM's answer, the same object
+        return _act(plan, group_states, get, request, num_computed_tokens, hit, answer)
     except _StrictFailure as failure:
         raise AssertionError(str(failure)) from None
     except Exception as error:  # guard code never takes the engine down
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer
+
+
+def _act(plan: _Plan, group_states: Any, get: Any, request: Any, num_computed_tokens: int, hit: int, answer: Any) -> Any:
+    """The slow path after a miss: read every chunk, then act by policy (see module doc)."""
+
+    def loadable(group: int, chunk: int) -> bool:
+        group_keys = group_states[group].offload_keys
+        if chunk >= len(group_keys):
+            return False
+        entry = get(group_keys[chunk])
+        return entry is not None and bool(entry.is_ready)
+
+    num_cached = num_computed_tokens + hit
+    missing = [
+        (g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
+        for c in chunks if not loadable(g, c)
+    ]
+    if not missing:
+        return answer
+    policy = runtime.policy()
+    if policy == names.POLICY_OBSERVE:
+        return _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_CONTINUED, policy, answer)
+    if policy == names.POLICY_STRICT:
+        _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_RAISED, policy, answer)
+        raise _StrictFailure(
+            f"kvguard load_coverage: hit of {hit} tokens after {num_computed_tokens} local tokens "
+            f"reads {len(missing)} chunk(s) not present/ready in the offload tier (first: group "
+            f"{missing[0][0]} chunk {missing[0][1]})"
+        )
+    reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_cached, loadable)
+    new_answer = (reduced, bool(answer[1]) and reduced > 0)
+    return _decide(request, num_computed_tokens, hit, reduced, missing, names.ACTION_HIT_REDUCED, policy, new_answer)
 
 
 class _StrictFailure(Exception):

@@ -45,9 +45,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvguard.guards.invariants import cdiv, swa_skipped_tokens
+from kvguard.guards.invariants import cdiv
 
-__all__ = ["GroupGeometry", "load_chunks", "load_set", "longest_loadable_hit"]
+__all__ = ["GroupGeometry", "load_chunk_bounds", "load_chunks", "load_set", "longest_loadable_hit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,18 +83,32 @@ class GroupGeometry:
         return self.tokens_per_block * self.blocks_per_chunk
 
 
-def load_start_block(group: GroupGeometry, num_computed_tokens: int, num_cached_tokens: int) -> int:
-    """Index of the first GPU block the load fills (== ``num_gpu_blocks`` when none).
+def load_chunk_bounds(
+    tokens_per_block: int,
+    blocks_per_chunk: int,
+    retained_tokens: int | None,
+    num_computed_tokens: int,
+    num_cached_tokens: int,
+) -> tuple[int, int]:
+    """``(first, stop)`` chunk indices of one group's load (``first == stop``: no load).
 
-    ``max(num_computed_tokens // tokens_per_block, skipped // tokens_per_block)``, capped
-    at ``cdiv(num_cached_tokens, tokens_per_block)``; ``skipped`` is 0 for full attention.
+    The arithmetic core of :func:`load_chunks`, on plain ints for the admission check's
+    hot path: ``retained_tokens`` is ``sliding_window_tokens + extra_retained_tokens``
+    (None for full attention). The first loaded GPU block is
+    ``max(num_computed_tokens // tokens_per_block, skipped // tokens_per_block)`` with
+    ``skipped = max(0, num_cached_tokens - retained_tokens + 1)`` (vLLM's
+    ``get_num_skipped_tokens``); the load reads its chunk up to
+    ``cdiv(num_cached_tokens, tokens_per_block * blocks_per_chunk)``. No validation.
     """
-    num_gpu_blocks = cdiv(num_cached_tokens, group.tokens_per_block)
-    start = num_computed_tokens // group.tokens_per_block
-    if group.sliding_window_tokens is not None:
-        skipped = swa_skipped_tokens(num_cached_tokens, group.sliding_window_tokens, group.extra_retained_tokens)
-        start = max(start, skipped // group.tokens_per_block)
-    return min(start, num_gpu_blocks)
+    num_gpu_blocks = -(-num_cached_tokens // tokens_per_block)
+    start = num_computed_tokens // tokens_per_block
+    if retained_tokens is not None:
+        skipped = num_cached_tokens - retained_tokens + 1
+        if skipped > 0 and skipped // tokens_per_block > start:
+            start = skipped // tokens_per_block
+    if start >= num_gpu_blocks:
+        return (0, 0)
+    return (start // blocks_per_chunk, -(-num_cached_tokens // (tokens_per_block * blocks_per_chunk)))
 
 
 def load_chunks(group: GroupGeometry, num_computed_tokens: int, num_cached_tokens: int) -> range:
@@ -108,10 +122,13 @@ def load_chunks(group: GroupGeometry, num_computed_tokens: int, num_cached_token
     """
     if not 0 <= num_computed_tokens <= num_cached_tokens:
         raise ValueError("need 0 <= num_computed_tokens <= num_cached_tokens")
-    start_block = load_start_block(group, num_computed_tokens, num_cached_tokens)
-    if start_block >= cdiv(num_cached_tokens, group.tokens_per_block):
-        return range(0)
-    return range(start_block // group.blocks_per_chunk, cdiv(num_cached_tokens, group.tokens_per_chunk))
+    retained = (
+        None if group.sliding_window_tokens is None else group.sliding_window_tokens + group.extra_retained_tokens
+    )
+    first, stop = load_chunk_bounds(
+        group.tokens_per_block, group.blocks_per_chunk, retained, num_computed_tokens, num_cached_tokens
+    )
+    return range(first, stop)
 
 
 def load_set(groups: Sequence[GroupGeometry], num_computed_tokens: int, num_cached_tokens: int) -> list[range]:
