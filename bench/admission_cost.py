@@ -6,8 +6,7 @@ Replays the generated trace of ``bench/replay_overhead.py`` once with the guard,
 every call of :func:`kvguard.guards.admission.admit` (``perf_counter`` around it) and
 every lookup (``get_num_new_matched_tokens``, vLLM's own lookup plus the check). Prints
 the lookups with a hit that were checked, the median and p99 of the check in
-microseconds, the median lookup time without the check, the check's share of the
-lookup, and the check's total time as a fraction of the replay's measured step time
+microseconds, the median time of a whole lookup (vLLM's lookup plus the check), and the check's total time as a fraction of the replay's measured step time
 (schedule() + update_from_output()). ``hit_reduced`` must be 0 on this trace (every hit
 vLLM's lookup admits on the generated trace is loadable). A measurement, not a test:
 exit 0 unless the replay failed.
