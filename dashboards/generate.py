@@ -217,6 +217,14 @@ def build_dashboard() -> dict[str, Any]:
         [_target(f"sum by (check, action) (increase(kvguard_invariant_violations_total{{{KV}}}{RI}))",
                  "{{check}} ({{action}})")]))
     lay.add(_timeseries(
+        "Degrade actions and recomputed tokens",
+        "What each failed invariant cost under policy guard (issue 9), cheapest first: hit_reduced "
+        "(latency: the hit was cut at admission and vLLM recomputed the tokens on the right axis), "
+        "store_dropped (one store), request_failed (one request), raised (the engine).",
+        [_target(f"sum by (action) (increase(kvguard_invariant_violations_total{{{KV}}}{RI}))",
+                 "{{action}}", "A"),
+         _target(f"sum(increase(kvguard_recomputed_tokens_total{{{KV}}}{RI}))", "recomputed tokens", "B")]))
+    lay.add(_timeseries(
         "Tolerated hits by check",
         "Hits where the installed vLLM's own assertion would have crashed EngineCore but the exact "
         "invariant holds, so kvguard continued (alert KVGuardBoundTolerated; vLLM #48959).",
