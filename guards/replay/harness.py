@@ -16,8 +16,13 @@ vLLM's ``load_general_plugins()`` would call it inside EngineCore.
 
 An exception escaping ``schedule()`` or ``update_from_output()`` is what kills
 EngineCore in a server (vLLM #48966); the replay records it as the engine's death and
-stops. A replay whose requests stop making progress for :data:`STALL_STEPS` steps
-(a request deferred forever) stops as stalled.
+stops; so is an exception from vLLM's worker-side connector code (the worker process
+dies, and EngineCore with it). A replay whose requests stop making progress for
+:data:`STALL_STEPS` steps (a request deferred forever) stops as stalled, and
+:class:`~kvguard.guards.replay.stalls.StallWatch` names each unfinished request's stall
+(``ReplayResult.stalls``). Once every request has finished, the replay keeps stepping
+(at most :data:`STALL_STEPS` steps) while the worker still has jobs to submit or
+complete, as EngineCore keeps stepping while the connector has pending work.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.guards.replay.jobs import WorkerModel
+from kvguard.guards.replay.stalls import StallWatch
 from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
-from kvguard.guards.replay.worker import SimulatedWorker
+from kvguard.guards.replay.worker import SimulatedWorker, WorkerHang
 
 #: Steps without any scheduled token, finished request or arrival before a replay stops.
 STALL_STEPS = 64
@@ -57,6 +64,12 @@ class ReplayResult:
     error: str | None = None
     error_site: str | None = None
     stalled: bool = False
+    #: one finding per unfinished request of a stalled replay (see :mod:`.stalls`)
+    stalls: list[dict[str, Any]] = field(default_factory=list)
+    #: per request, how often vLLM preempted it (``SchedulerOutput.preempted_req_ids``)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    #: per finished request, the token ids it generated (never written to the report)
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
     submitted: int = 0
     finished: int = 0
     steps: int = 0
@@ -237,8 +250,11 @@ class Engine:
     block_hasher: Callable[[Any], Any]
 
 
-def build_engine(geometry: Geometry) -> Engine:
+def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
     """Construct the real ``Scheduler`` + ``OffloadingConnector`` for ``geometry``.
+
+    ``worker_model`` is the simulated worker's timing and faults (default: every job
+    completes, successfully, in the step it is submitted).
 
     Raises whatever vLLM raises for a geometry it rejects (e.g. a chunk size that is not
     a multiple of the GPU block size).
@@ -317,7 +333,9 @@ def build_engine(geometry: Geometry) -> Engine:
     if connector is None or type(connector).__name__ != "OffloadingConnector":
         raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
     connector_scheduler = connector.connector_scheduler
-    worker = SimulatedWorker(scheduler=scheduler, vocab_size=geometry.vocab_size)
+    worker = SimulatedWorker(
+        scheduler=scheduler, vocab_size=geometry.vocab_size, model=worker_model or WorkerModel()
+    )
     return Engine(
         scheduler=scheduler,
         connector=connector,
@@ -479,10 +497,11 @@ def run_replay(
         os.environ["KVGUARD_DISABLE"] = "1"
         uninstall_guard()
     if engine is None:
-        engine = build_engine(trace.geometry)
+        engine = build_engine(trace.geometry, trace.worker)
     result.worker = engine.worker
     result.cpu_chunks = _cpu_capacity(engine.connector_scheduler)
     recorder = _HitRecorder(engine.connector_scheduler, result)
+    watch = StallWatch(engine.connector_scheduler)
     scheduler = engine.scheduler
     geometry = trace.geometry
 
@@ -491,6 +510,7 @@ def run_replay(
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
     idle_steps = 0
+    drain_steps = 0
     t_start = time.perf_counter()
     try:
         for step in range(MAX_STEPS):
@@ -519,7 +539,12 @@ def run_replay(
                 arrived = True
             pending = still
             if not live and not pending:
-                break
+                # EngineCore keeps stepping while the connector has pending work: the
+                # finished requests' last stores are built and submitted, in-flight
+                # jobs complete (bounded: a hung job never does).
+                if not engine.worker.busy and drain_steps > 0 or drain_steps >= STALL_STEPS:
+                    break
+                drain_steps += 1
 
             t0 = time.perf_counter()
             sched_out = scheduler.schedule()
@@ -530,27 +555,36 @@ def run_replay(
             t3 = time.perf_counter()
             result.step_times_s.append((t1 - t0) + (t3 - t2))
             result.steps = step + 1
+            for rid in getattr(sched_out, "preempted_req_ids", None) or ():
+                result.preemptions[rid] = result.preemptions.get(rid, 0) + 1
 
             done_now = [rid for rid, req in live.items() if req.is_finished()]
             for rid in done_now:
                 outputs[rid] = list(live.pop(rid).output_token_ids)
                 finished.add(rid)
             result.finished = len(finished)
+            watch.observe(result.steps, live)
             if sched_out.total_num_scheduled_tokens or done_now or arrived:
                 idle_steps = 0
             else:
                 idle_steps += 1
-                if idle_steps >= STALL_STEPS:
+                if idle_steps >= STALL_STEPS and (live or pending):
                     result.stalled = True
+                    result.stalls = watch.findings(result.steps, live, engine.worker)
                     break
             if progress is not None and step % 8 == 0:
                 progress(result.finished, len(trace.requests), result.steps)
+    except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
+        result.stalled = True
+        result.stalls = watch.findings(result.steps, live, engine.worker, hang.jobs)
     except Exception as exc:  # the engine's death, as EngineCore would die of it
         result.engine_survived = False
         result.error = _describe(exc)
         result.error_site = _error_site(exc)
     finally:
+        watch.restore()
         recorder.restore()
+        result.outputs = outputs
         result.wall_s = time.perf_counter() - t_start
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
     if guard:

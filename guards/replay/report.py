@@ -67,6 +67,31 @@ def swa_window(load: Any, num_cached_tokens: int, geometry: Geometry) -> dict[st
     }
 
 
+def _worker_timing(worker: Any) -> dict[str, Any]:
+    """The worker model and what its job queue did (see :mod:`.jobs`)."""
+    queue = worker.queue
+    done = queue.completed
+    # a pair (earlier submitted, later reported) = a later job finished first
+    out_of_order = sum(
+        1 for a, b in zip(done, done[1:]) if (a.submit_step, a.job_id) > (b.submit_step, b.job_id)
+    )
+    return {
+        "model": worker.model.to_json(),
+        "jobs_submitted": queue.submitted,
+        "out_of_order_completions": out_of_order,
+        "failed_jobs": [
+            {"job_id": j.job_id, "request_id": j.req_id, "store": j.is_store, "step": j.done_step}
+            for j in done
+            if not j.success
+        ],
+        "jobs_in_flight": [
+            {"job_id": j.job_id, "request_id": j.req_id, "store": j.is_store,
+             "submit_step": j.submit_step, "hung": j.due_step is None}
+            for j in queue.in_flight()
+        ],
+    }
+
+
 def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
     """The ``--json`` object for ``result`` (field list in the module docstring)."""
     worker = result.worker
@@ -94,6 +119,8 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "error": result.error,
         "error_site": result.error_site,
         "stalled": result.stalled,
+        "stalls": result.stalls,
+        "preemptions": result.preemptions,
         "requests": {"submitted": result.submitted, "finished": result.finished},
         "checks": result.checks,
         "guard_errors": result.guard_errors,
@@ -103,6 +130,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "driven_hits": result.driven_hits,
         "worker": {
             "jobs_completed": worker.jobs_completed if worker else 0,
+            **(_worker_timing(worker) if worker else {}),
             "stores": len(worker.stores) if worker else 0,
             "inconsistent_specs": worker.inconsistent_specs if worker else [],
             "loads": loads,
