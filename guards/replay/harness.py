@@ -72,6 +72,8 @@ class ReplayResult:
     outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
     submitted: int = 0
     finished: int = 0
+    #: requests the trace aborted (``abort_at_step``) through ``Scheduler.finish_requests``
+    aborted: int = 0
     steps: int = 0
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
@@ -90,8 +92,13 @@ class ReplayResult:
 
     @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived and every submitted request finished."""
-        return self.engine_survived and not self.stalled and self.finished == self.submitted
+        """Exit-0 condition: the engine survived, did not stall, and every submitted request
+        finished or was aborted by the trace (an aborted request is not a lost one)."""
+        return (
+            self.engine_survived
+            and not self.stalled
+            and self.finished + self.aborted == self.submitted
+        )
 
 
 def vllm_version() -> str:
@@ -469,6 +476,26 @@ def _make_request(engine: Engine, treq: TraceRequest, prompt: list[int]) -> Any:
     )
 
 
+def _abort_request(scheduler: Any, request_id: str) -> None:
+    """Abort one request the way EngineCore does on a client disconnect.
+
+    Calls the real ``Scheduler.finish_requests(request_ids, finished_status)`` with
+    ``RequestStatus.FINISHED_ABORTED``; the arguments are bound by the installed
+    release's signature (0.21.0, 0.25.1 and 0.33.0 all name them
+    ``request_ids, finished_status``), so a renamed keyword fails loudly here.
+    """
+    import inspect
+
+    from vllm.v1.request import RequestStatus
+
+    finish = scheduler.finish_requests
+    params = list(inspect.signature(finish).parameters)
+    args = inspect.signature(finish).bind(
+        **{params[0]: request_id, params[1]: RequestStatus.FINISHED_ABORTED}
+    )
+    finish(*args.args, **args.kwargs)
+
+
 def run_replay(
     trace: Trace,
     *,
@@ -509,6 +536,7 @@ def run_replay(
     live: dict[str, Any] = {}
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
+    aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
     idle_steps = 0
     drain_steps = 0
     t_start = time.perf_counter()
@@ -538,6 +566,15 @@ def run_replay(
                 result.submitted += 1
                 arrived = True
             pending = still
+            # Client aborts (trace ``abort_at_step``): after this step's arrivals, before
+            # its schedule(); only a request that has arrived and is not finished.
+            for rid, at in aborts.items():
+                req = live.get(rid)
+                if at == step and req is not None and not req.is_finished():
+                    _abort_request(scheduler, rid)
+                    live.pop(rid)
+                    result.aborted += 1
+                    arrived = True  # progress: the stall counter restarts
             if not live and not pending:
                 # EngineCore keeps stepping while the connector has pending work: the
                 # finished requests' last stores are built and submitted, in-flight
