@@ -91,13 +91,21 @@ class ReplayResult:
     pending_store_keys: int | None = None
 
     @property
+    def wrong_kv_blocks(self) -> int:
+        """GPU blocks the KV-content oracle found holding wrong KV (0 without an oracle)."""
+        oracle = self.worker.oracle if self.worker is not None else None
+        return oracle.wrong_kv_blocks if oracle is not None else 0
+
+    @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived, did not stall, and every submitted request
-        finished or was aborted by the trace (an aborted request is not a lost one)."""
+        """Exit-0 condition: the engine survived, did not stall, every submitted request
+        finished or was aborted by the trace (an aborted request is not a lost one), and
+        the KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
         return (
             self.engine_survived
             and not self.stalled
             and self.finished + self.aborted == self.submitted
+            and self.wrong_kv_blocks == 0
         )
 
 
@@ -341,7 +349,10 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
     connector_scheduler = connector.connector_scheduler
     worker = SimulatedWorker(
-        scheduler=scheduler, vocab_size=geometry.vocab_size, model=worker_model or WorkerModel()
+        scheduler=scheduler,
+        vocab_size=geometry.vocab_size,
+        model=worker_model or WorkerModel(),
+        blocks_per_chunk=geometry.blocks_per_chunk,
     )
     return Engine(
         scheduler=scheduler,

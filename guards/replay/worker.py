@@ -29,11 +29,22 @@ Besides that:
 - every scheduled request whose prompt is fully computed after the step samples one
   token, chosen deterministically from (request id, output index) so traces replay the
   same way every time;
+- the KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) follows the KV each
+  GPU block and CPU chunk holds: a store copies when vLLM's worker *submits* it (at the
+  start of the step after the one that scheduled it, ``prepare_store_kv``), a load copies
+  when it *completes* successfully (a failed load copies nothing); then every scheduled
+  request's computed blocks are checked, then the forward writes the scheduled tokens;
 - every ``GPULoadStoreSpec`` the worker receives is checked for the consistency a real
   transfer relies on (#42945): ``sum(group_sizes) == len(block_ids)``,
   ``len(block_indices) == len(group_sizes)``, and no null block (id 0) in
   ``block_ids``. A failing spec is recorded in :attr:`SimulatedWorker.inconsistent_specs`
   (it would make a real worker copy the wrong blocks), never raised.
+
+Test-only faults (negative controls of the oracle; not reachable from the CLI or a
+trace): ``SimulatedWorker(fault=...)`` or ``worker.fault = ...`` before the replay, one of
+:data:`FAULTS`: ``"load_copies_nothing"`` (a load job completes without copying) and
+``"load_wrong_chunk"`` (a load reads the CPU chunk ids rotated by one, i.e. every GPU
+block gets a neighbouring chunk's KV).
 
 The ``TransferJob`` layout differs between releases: ``transfer_spec=(src, dst)`` in
 vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on. Both are read.
@@ -49,6 +60,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.guards.replay.jobs import JobQueue, PendingJob, WorkerModel
+from kvguard.guards.replay.kv_oracle import (
+    KVOracle,
+    layouts_from_kv_cache_config,
+    offload_group_ids,
+    pages_shared_by_groups,
+)
+
+#: Test-only worker faults (module docstring).
+FAULTS = ("load_copies_nothing", "load_wrong_chunk")
 
 
 class WorkerHang(RuntimeError):
@@ -166,16 +186,25 @@ class SimulatedWorker:
     ``scheduler`` is the real ``vllm.v1.core.sched.scheduler.Scheduler`` (read only: its
     ``requests``, ``kv_cache_manager``, ``vllm_config``, ``kv_cache_config`` and the class
     of its connector). ``model`` is the worker model (:class:`~.jobs.WorkerModel`; the
-    default completes every job, successfully, in the step it is submitted). Call
+    default completes every job, successfully, in the step it is submitted).
+    ``blocks_per_chunk``: GPU blocks per offloaded chunk (the oracle's GPU <-> CPU
+    mapping); ``None`` turns the oracle off (then nothing proves the KV content).
+    ``fault``: test-only, one of :data:`FAULTS`. Call
     :meth:`execute` once per step with the step's ``SchedulerOutput``; it returns the
     ``ModelRunnerOutput`` to feed back into ``Scheduler.update_from_output``. An
     exception raised by vLLM's worker code (e.g. its assert on a failed transfer)
     propagates: in a server it kills the worker and EngineCore.
+
+    Raises:
+        ValueError: an unknown ``fault``.
     """
 
     scheduler: Any
     vocab_size: int
     model: WorkerModel = field(default_factory=WorkerModel)
+    blocks_per_chunk: int | None = None
+    fault: str | None = None
+    oracle: KVOracle | None = None
     loads: list[SpecRecord] = field(default_factory=list)
     stores: list[SpecRecord] = field(default_factory=list)
     inconsistent_specs: list[dict[str, Any]] = field(default_factory=list)
@@ -189,6 +218,19 @@ class SimulatedWorker:
 
     def __post_init__(self) -> None:
         self.queue = JobQueue(self.model)
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
+        if self.oracle is None and self.blocks_per_chunk is not None:
+            config = self.scheduler.kv_cache_config
+            self.oracle = KVOracle(
+                scheduler=self.scheduler,
+                groups=layouts_from_kv_cache_config(config),
+                num_gpu_blocks=int(config.num_blocks),
+                blocks_per_chunk=self.blocks_per_chunk,
+                vocab_size=self.vocab_size,
+                offload_group_ids=offload_group_ids(config),
+                shared_pages=pages_shared_by_groups(config),
+            )
 
     # -- the worker-role connector -------------------------------------------------
     def connector(self) -> Any:
@@ -250,10 +292,31 @@ class SimulatedWorker:
         return done
 
     def on_store_submitted(self, job: PendingJob, src_spec: Any, dst_spec: Any) -> None:
-        """Hook: a store's GPU blocks are read when vLLM's worker submits it."""
+        """A store's GPU blocks are read when vLLM's worker submits it (oracle copy)."""
+        if self.oracle is not None:
+            self.oracle.store(job.job_id, src_spec, dst_spec)
 
     def on_load_completed(self, job: PendingJob, src_spec: Any, dst_spec: Any) -> None:
-        """Hook: a successful load's GPU blocks are written when it completes."""
+        """A successful load's GPU blocks are written when it completes (oracle copy)."""
+        if self.oracle is None or self.fault == "load_copies_nothing":
+            return
+        if self.fault == "load_wrong_chunk":
+            src_spec = _Rotated(src_spec)
+        self.oracle.load(job.job_id, src_spec, dst_spec)
+
+    def _compute(self, scheduler_output: Any) -> None:
+        """The forward: write each scheduled request's scheduled tokens into its blocks."""
+        oracle = self.oracle
+        manager = self.scheduler.kv_cache_manager
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is None or not num_scheduled:
+                continue
+            end = int(req.num_computed_tokens)  # schedule() already added the scheduled tokens
+            start = end - int(num_scheduled)
+            codes = oracle.token_codes(req_id)
+            for group, table in enumerate(manager.get_block_ids(req_id)):
+                oracle.computed_range(req_id, group, table, start, end, codes)
 
     def _record(self, job_id: int, req_id: str, gpu_spec: Any, is_store: bool) -> SpecRecord:
         rec = SpecRecord(
@@ -322,6 +385,10 @@ class SimulatedWorker:
                     rec.manager_block_ids = [list(map(int, g)) for g in ids]
                 self.loads.append(rec)
             kv = self._run_connector(scheduler_output, meta)
+        if self.oracle is not None:
+            # after this step's submitted stores read and completed loads wrote
+            self.oracle.check(scheduler_output)
+            self._compute(scheduler_output)
         self.step += 1
         worker_meta = kv.get("kv_connector_worker_meta")
         self.jobs_completed += len(getattr(worker_meta, "completed_jobs", None) or ())
@@ -353,3 +420,12 @@ def _cpu_spec_class() -> type:
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     return CPULoadStoreSpec
+
+
+class _Rotated:
+    """A CPU spec whose chunk ids are rotated by one (the ``load_wrong_chunk`` fault)."""
+
+    def __init__(self, spec: Any):
+        import numpy as np
+
+        self.block_ids = np.roll(np.asarray(spec.block_ids), 1)
