@@ -57,15 +57,12 @@ import inspect
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvguard.guards.replay.jobs import JobQueue, PendingJob, WorkerModel
-from kvguard.guards.replay.kv_oracle import (
-    KVOracle,
-    layouts_from_kv_cache_config,
-    offload_group_ids,
-    pages_shared_by_groups,
-)
+
+if TYPE_CHECKING:
+    from kvguard.guards.replay.kv_oracle import KVOracle
 
 #: Test-only worker faults (module docstring).
 FAULTS = ("load_copies_nothing", "load_wrong_chunk")
@@ -221,6 +218,14 @@ class SimulatedWorker:
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.oracle is None and self.blocks_per_chunk is not None:
+            # numpy (the oracle's storage) comes with vLLM; the light env imports this module
+            from kvguard.guards.replay.kv_oracle import (
+                KVOracle,
+                layouts_from_kv_cache_config,
+                offload_group_ids,
+                pages_shared_by_groups,
+            )
+
             config = self.scheduler.kv_cache_config
             self.oracle = KVOracle(
                 scheduler=self.scheduler,
