@@ -207,7 +207,7 @@ def test_seed_42945_store_keys_never_left_pending(expected: dict) -> None:
         code, out, _ = replay("seed-42945", mode)
         if code == 0:
             assert out["pending_store_keys"] == 0
-            assert out["requests"] == {"submitted": 7, "finished": 7}
+            assert out["requests"] == {"submitted": 7, "finished": 7, "aborted": 0}
             assert out["stalled"] is False
         else:
             # vLLM 0.21.0 unguarded: prepare_store already reserved the store's 50 keys
