@@ -177,6 +177,11 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(
             f"  engine:   {state}; {req['finished']}/{req['submitted']} requests finished{aborted}"
         )
+        for st in report.get("stalls", ()):
+            lines.append(
+                f"  stall:    {st['request_id']}: {st['kind']} ({st['status']}, "
+                f"{st['waiting_steps']} steps without progress)"
+            )
     else:
         lines.append(f"  engine:   DIED after {report['steps']} steps: {report['error']}")
         if report["error_site"]:
