@@ -16,8 +16,13 @@ vLLM's ``load_general_plugins()`` would call it inside EngineCore.
 
 An exception escaping ``schedule()`` or ``update_from_output()`` is what kills
 EngineCore in a server (vLLM #48966); the replay records it as the engine's death and
-stops. A replay whose requests stop making progress for :data:`STALL_STEPS` steps
-(a request deferred forever) stops as stalled.
+stops; so is an exception from vLLM's worker-side connector code (the worker process
+dies, and EngineCore with it). A replay whose requests stop making progress for
+:data:`STALL_STEPS` steps (a request deferred forever) stops as stalled, and
+:class:`~kvguard.guards.replay.stalls.StallWatch` names each unfinished request's stall
+(``ReplayResult.stalls``). Once every request has finished, the replay keeps stepping
+(at most :data:`STALL_STEPS` steps) while the worker still has jobs to submit or
+complete, as EngineCore keeps stepping while the connector has pending work.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.guards.replay.jobs import WorkerModel
+from kvguard.guards.replay.stalls import StallWatch
 from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
-from kvguard.guards.replay.worker import SimulatedWorker
+from kvguard.guards.replay.worker import SimulatedWorker, WorkerHang
 
 #: Steps without any scheduled token, finished request or arrival before a replay stops.
 STALL_STEPS = 64
@@ -57,6 +64,12 @@ class ReplayResult:
     error: str | None = None
     error_site: str | None = None
     stalled: bool = False
+    #: one finding per unfinished request of a stalled replay (see :mod:`.stalls`)
+    stalls: list[dict[str, Any]] = field(default_factory=list)
+    #: per request, how often vLLM preempted it (``SchedulerOutput.preempted_req_ids``)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    #: per finished request, the token ids it generated (never written to the report)
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
     submitted: int = 0
     finished: int = 0
     #: requests the trace aborted (``abort_at_step``) through ``Scheduler.finish_requests``
@@ -318,8 +331,11 @@ class Engine:
     block_hasher: Callable[[Any], Any]
 
 
-def build_engine(geometry: Geometry) -> Engine:
+def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
     """Construct the real ``Scheduler`` + ``OffloadingConnector`` for ``geometry``.
+
+    ``worker_model`` is the simulated worker's timing and faults (default: every job
+    completes, successfully, in the step it is submitted).
 
     Raises whatever vLLM raises for a geometry it rejects (e.g. a chunk size that is not
     a multiple of the GPU block size).
@@ -414,6 +430,7 @@ def build_engine(geometry: Geometry) -> Engine:
     worker = SimulatedWorker(
         scheduler=scheduler,
         vocab_size=geometry.vocab_size,
+        model=worker_model or WorkerModel(),
         blocks_per_chunk=geometry.blocks_per_chunk,
     )
     return Engine(
@@ -630,10 +647,11 @@ def run_replay(
         os.environ["KVGUARD_DISABLE"] = "1"
         uninstall_guard()
     if engine is None:
-        engine = build_engine(trace.geometry)
+        engine = build_engine(trace.geometry, trace.worker)
     result.worker = engine.worker
     result.cpu_chunks = _cpu_capacity(engine.connector_scheduler)
     recorder = _HitRecorder(engine.connector_scheduler, result)
+    watch = StallWatch(engine.connector_scheduler)
     scheduler = engine.scheduler
     geometry = trace.geometry
 
@@ -644,6 +662,7 @@ def run_replay(
     aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
     failed_ids: set[str] = set()
     idle_steps = 0
+    drain_steps = 0
     t_start = time.perf_counter()
     try:
         for step in range(MAX_STEPS):
@@ -681,7 +700,12 @@ def run_replay(
                     result.aborted += 1
                     arrived = True  # progress: the stall counter restarts
             if not live and not pending:
-                break
+                # EngineCore keeps stepping while the connector has pending work: the
+                # finished requests' last stores are built and submitted, in-flight
+                # jobs complete (bounded: a hung job never does).
+                if not engine.worker.busy and drain_steps > 0 or drain_steps >= STALL_STEPS:
+                    break
+                drain_steps += 1
 
             t0 = time.perf_counter()
             sched_out = scheduler.schedule()
@@ -692,6 +716,8 @@ def run_replay(
             t3 = time.perf_counter()
             result.step_times_s.append((t1 - t0) + (t3 - t2))
             result.steps = step + 1
+            for rid in getattr(sched_out, "preempted_req_ids", None) or ():
+                result.preemptions[rid] = result.preemptions.get(rid, 0) + 1
 
             done_now = [rid for rid, req in live.items() if req.is_finished()]
             for rid in done_now:
@@ -708,21 +734,28 @@ def run_replay(
                     result.not_arrived += len(blocked)
                     pending = [t for t in pending if t not in blocked]
             result.finished = len(finished)
+            watch.observe(result.steps, live)
             if sched_out.total_num_scheduled_tokens or done_now or arrived:
                 idle_steps = 0
             else:
                 idle_steps += 1
-                if idle_steps >= STALL_STEPS:
+                if idle_steps >= STALL_STEPS and (live or pending):
                     result.stalled = True
+                    result.stalls = watch.findings(result.steps, live, engine.worker)
                     break
             if progress is not None and step % 8 == 0:
                 progress(result.finished, len(trace.requests), result.steps)
+    except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
+        result.stalled = True
+        result.stalls = watch.findings(result.steps, live, engine.worker, hang.jobs)
     except Exception as exc:  # the engine's death, as EngineCore would die of it
         result.engine_survived = False
         result.error = _describe(exc)
         result.error_site = _error_site(exc)
     finally:
+        watch.restore()
         recorder.restore()
+        result.outputs = outputs
         result.wall_s = time.perf_counter() - t_start
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
     if guard:

@@ -4,7 +4,7 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
 
     {"vllm_version": "0.25.1", "trace": "seed-48959", "guard": true, "policy": "guard",
      "guard_installed": true, "engine_survived": true, "error": null, "error_site": null,
-     "stalled": false,
+     "stalled": false, "stalls": [], "preemptions": {},
      "requests": {"submitted": 4, "finished": 4, "aborted": 0, "failed": 0, "not_arrived": 0},
      "failed_requests": [],
      "wrong_kv_blocks": 0, "wrong_kv": [],
@@ -77,6 +77,31 @@ def swa_window(load: Any, num_cached_tokens: int, geometry: Geometry) -> dict[st
     }
 
 
+def _worker_timing(worker: Any) -> dict[str, Any]:
+    """The worker model and what its job queue did (see :mod:`.jobs`)."""
+    queue = worker.queue
+    done = queue.completed
+    # a pair (earlier submitted, later reported) = a later job finished first
+    out_of_order = sum(
+        1 for a, b in zip(done, done[1:]) if (a.submit_step, a.job_id) > (b.submit_step, b.job_id)
+    )
+    return {
+        "model": worker.model.to_json(),
+        "jobs_submitted": queue.submitted,
+        "out_of_order_completions": out_of_order,
+        "failed_jobs": [
+            {"job_id": j.job_id, "request_id": j.req_id, "store": j.is_store, "step": j.done_step}
+            for j in done
+            if not j.success
+        ],
+        "jobs_in_flight": [
+            {"job_id": j.job_id, "request_id": j.req_id, "store": j.is_store,
+             "submit_step": j.submit_step, "hung": j.due_step is None}
+            for j in queue.in_flight()
+        ],
+    }
+
+
 def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
     """The ``--json`` object for ``result`` (field list in the module docstring)."""
     worker = result.worker
@@ -105,6 +130,8 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "error": result.error,
         "error_site": result.error_site,
         "stalled": result.stalled,
+        "stalls": result.stalls,
+        "preemptions": result.preemptions,
         "requests": {
             "submitted": result.submitted,
             "finished": result.finished,
@@ -123,6 +150,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "driven_hits": result.driven_hits,
         "worker": {
             "jobs_completed": worker.jobs_completed if worker else 0,
+            **(_worker_timing(worker) if worker else {}),
             "stores": len(worker.stores) if worker else 0,
             "inconsistent_specs": worker.inconsistent_specs if worker else [],
             "kv_oracle": oracle.summary() if oracle is not None else None,
@@ -155,6 +183,11 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(
             f"  engine:   {state}; {req['finished']}/{req['submitted']} requests finished{aborted}"
         )
+        for st in report.get("stalls", ()):
+            lines.append(
+                f"  stall:    {st['request_id']}: {st['kind']} ({st['status']}, "
+                f"{st['waiting_steps']} steps without progress)"
+            )
     else:
         lines.append(f"  engine:   DIED after {report['steps']} steps: {report['error']}")
         if report["error_site"]:

@@ -44,6 +44,25 @@ Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups
   ``block_size`` there requires one block size for all groups); a release without that
   key raises ``RuntimeError``. ``num_gpu_blocks`` is shared by all groups.
 
+Optional header object ``worker``: the simulated worker's transfer timing and faults
+(:class:`kvguard.guards.replay.jobs.WorkerModel`; absent = every job completes,
+successfully, in the step it is submitted)::
+
+    "worker": {"load_latency_steps": {"min": 0, "max": 4}, "store_latency_steps": 2,
+               "seed": 7, "fail_loads": {"rate": 0.1}, "fail_store_jobs": [3, 5],
+               "hang_load_jobs": [0]}
+
+- ``load_latency_steps`` / ``store_latency_steps``: engine steps from the step vLLM's
+  worker submits a job to the step its ``get_finished()`` reports it; an int (fixed) or
+  ``{"min", "max"}`` (uniform, drawn per job from ``seed``). Different draws make a
+  later job finish before an earlier one (out-of-order completion).
+- ``fail_loads`` / ``fail_stores``: ``{"rate": R}``, each job fails
+  (``TransferResult.success=False``) with probability R; ``fail_load_jobs`` /
+  ``fail_store_jobs``: 0-based job ordinals (per direction, in submission order) that
+  fail; ``hang_load_jobs`` / ``hang_store_jobs``: ordinals whose completion is never
+  reported (a lost completion).
+- ``seed``: seeds the latency and failure draws (int, default 0).
+
 Request (one per line, in arrival order)::
 
     {"kind": "request", "id": "agent-a/turn-1",
@@ -91,6 +110,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
+
+from kvguard.guards.replay.jobs import WorkerModel, WorkerModelError
 
 FORMAT = "kvguard-replay/1"
 #: Built-in trace names -> file names under guards/replay/traces/.
@@ -277,6 +298,8 @@ class Trace:
     requests: tuple[TraceRequest, ...]
     description: str = ""
     source: str = field(default="", compare=False)
+    #: the simulated worker's timing and faults (header ``worker``; default: immediate)
+    worker: WorkerModel = field(default_factory=WorkerModel)
 
     def dumps(self) -> str:
         """Serialize back to JSONL (one header line, one line per request)."""
@@ -287,6 +310,8 @@ class Trace:
             "description": self.description,
             "geometry": self.geometry.to_json(),
         }
+        if not self.worker.is_default:
+            header["worker"] = self.worker.to_json()
         lines = [json.dumps(header)] + [json.dumps(r.to_json()) for r in self.requests]
         return "\n".join(lines) + "\n"
 
@@ -391,6 +416,10 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
     except TypeError as exc:
         raise TraceError(f"{source}: bad geometry ({exc})") from None
     geometry.validate()
+    try:
+        worker = WorkerModel.from_json(header.get("worker"))
+    except WorkerModelError as exc:
+        raise TraceError(f"{source}: {exc}") from None
     if not requests:
         raise TraceError(f"{source}: a trace needs at least one request")
     return Trace(
@@ -399,6 +428,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         requests=tuple(requests),
         description=str(header.get("description", "")),
         source=source,
+        worker=worker,
     )
 
 

@@ -1,22 +1,39 @@
 """The simulated worker: the GPU side of a replay, where vLLM's scheduler hands over.
 
 vLLM's scheduler runs for real (``Scheduler.schedule()`` / ``update_from_output()`` with
-the real ``OffloadingConnector`` in the scheduler role). What a GPU worker would do with
-each :class:`SchedulerOutput` is simulated here, the way vLLM's own offloading
-connector worker reports it (``offloading/worker.py``):
+the real ``OffloadingConnector`` in the scheduler role). The worker side runs vLLM's own
+code too: a second ``OffloadingConnector`` in the *worker* role (its real
+``OffloadingConnectorWorker``), driven every step in the order vLLM's model runner
+drives it (``KVConnectorModelRunnerMixin``): ``handle_preemptions(meta)``,
+``bind_connector_metadata``, ``start_load_kv``, ``wait_for_save``,
+``get_transfer_results`` (0.33) or ``get_finished`` (0.21), ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``, ``clear_connector_metadata``. So what the scheduler gets
+back (``OffloadingWorkerMetadata.completed_jobs``, ``finished_recving`` for async loads,
+no ``finished_sending`` for stores, ``invalid_block_ids``) is what the release's real
+worker reports, including its deferral of every store to the start of the next step
+(``prepare_store_kv``) and its blocking ``wait`` on ``jobs_to_flush`` when a request is
+preempted or a block with a pending store is reallocated.
 
-- every load and store job in the step's ``OffloadingConnectorMetadata`` completes in
-  the same step: its job id goes to ``OffloadingWorkerMetadata.completed_jobs`` (count 1,
-  one worker), and a load's request id goes to ``KVConnectorOutput.finished_recving``;
-  stores never report ``finished_sending`` (as vLLM's worker);
+Only the copy engine below it is simulated: :class:`SimulatedTransfers` stands in for the
+``OffloadingWorker`` (0.23+: ``submit_load`` / ``submit_store`` / ``get_finished`` /
+``wait``; 0.21: an ``OffloadingHandler`` registered for GPU->CPU and CPU->GPU on the real
+``OffloadingWorker``). When each job finishes and whether it succeeds is the
+:class:`~kvguard.guards.replay.jobs.JobQueue` of the trace's worker model (latency in
+steps, out-of-order completion, failed and hung jobs). A failed job is returned as
+``TransferResult(success=False)`` and the release's own ``get_finished`` decides what
+follows (measured on 0.21.0 and 0.33.0: ``assert transfer_result.success`` -- "we
+currently do not support job failures" -- so the worker, and with it EngineCore, dies).
+
+Besides that:
+
 - every scheduled request whose prompt is fully computed after the step samples one
   token, chosen deterministically from (request id, output index) so traces replay the
   same way every time;
 - the KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) follows the KV each
-  GPU block and CPU chunk holds: per step, loads copy (they complete in their step),
-  then every scheduled request's computed blocks are checked, then the forward writes
-  the scheduled tokens, then stores copy (vLLM defers a store to the start of the next
-  step, i.e. after this step's forward);
+  GPU block and CPU chunk holds: a store copies when vLLM's worker *submits* it (at the
+  start of the step after the one that scheduled it, ``prepare_store_kv``), a load copies
+  when it *completes* successfully (a failed load copies nothing); then every scheduled
+  request's computed blocks are checked, then the forward writes the scheduled tokens;
 - every ``GPULoadStoreSpec`` the worker receives is checked for the consistency a real
   transfer relies on (#42945): ``sum(group_sizes) == len(block_ids)``,
   ``len(block_indices) == len(group_sizes)``, and no null block (id 0) in
@@ -35,15 +52,33 @@ vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on. Both are read.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # numpy is imported with the oracle, when a replay runs (light CLI)
+from kvguard.guards.replay.jobs import JobQueue, PendingJob, WorkerModel
+
+if TYPE_CHECKING:
     from kvguard.guards.replay.kv_oracle import KVOracle
 
 #: Test-only worker faults (module docstring).
 FAULTS = ("load_copies_nothing", "load_wrong_chunk")
+
+
+class WorkerHang(RuntimeError):
+    """The worker blocks forever: vLLM's ``wait(job_ids)`` on a job that never completes.
+
+    A real engine hangs in ``handle_preemptions`` (``jobs_to_flush``); the replay stops
+    and reports the stall (kind ``flush_waits_forever``). ``jobs`` are the hung jobs.
+    """
+
+    def __init__(self, jobs: list[PendingJob]):
+        super().__init__(f"worker waits forever on transfer jobs {[j.job_id for j in jobs]}")
+        self.jobs = jobs
+
 
 @dataclass
 class SpecRecord:
@@ -93,17 +128,69 @@ def _job_specs(job: Any) -> tuple[Any, Any]:
     return job.src_spec, job.dst_spec
 
 
+def _call(fn: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature accepts (bound by name)."""
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+class SimulatedTransfers:
+    """The copy engine under vLLM's ``OffloadingConnectorWorker`` (no data is copied).
+
+    Implements both APIs vLLM calls it through: the 0.23+ ``OffloadingWorker``
+    (``submit_load(job_id, src_spec, dst_spec, expedited=False)``,
+    ``submit_store(job_id, src_spec, dst_spec)``) and the 0.21 ``OffloadingHandler``
+    (``transfer_async(job_id, (src, dst))``); both share ``get_finished()`` (a list of
+    the release's ``TransferResult``), ``wait(job_ids)`` and ``shutdown()``.
+    Raises :class:`WorkerHang` from ``wait`` on a job the model never completes.
+    """
+
+    def __init__(self, owner: "SimulatedWorker", result_cls: type):
+        self._owner = owner
+        self._result_cls = result_cls
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._owner._submit(job_id, True, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        return self._owner._submit(job_id, False, src_spec, dst_spec)
+
+    def transfer_async(self, job_id: int, spec: Any) -> bool:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        src, dst = spec
+        return self._owner._submit(job_id, isinstance(src, GPULoadStoreSpec), src, dst)
+
+    def get_finished(self) -> list[Any]:
+        return [
+            _call(self._result_cls, job_id=j.job_id, success=j.success)
+            for j in self._owner._finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        hung = self._owner.queue.wait(job_ids)
+        if hung:
+            raise WorkerHang(hung)
+
+    def shutdown(self) -> None:
+        pass
+
+
 @dataclass
 class SimulatedWorker:
-    """Completes transfer jobs and samples tokens for the real scheduler's outputs.
+    """Runs vLLM's worker-side offloading connector over simulated transfers; samples tokens.
 
     ``scheduler`` is the real ``vllm.v1.core.sched.scheduler.Scheduler`` (read only: its
-    ``requests``, ``kv_cache_manager`` and ``kv_cache_config``). ``blocks_per_chunk``: GPU
-    blocks per offloaded chunk (the oracle's GPU <-> CPU mapping); ``None`` turns the
-    oracle off (then nothing proves the KV content). ``fault``: test-only, one of
-    :data:`FAULTS`. Call :meth:`execute` once per step with the step's
-    ``SchedulerOutput``; it returns the ``ModelRunnerOutput`` to feed back into
-    ``Scheduler.update_from_output``.
+    ``requests``, ``kv_cache_manager``, ``vllm_config``, ``kv_cache_config`` and the class
+    of its connector). ``model`` is the worker model (:class:`~.jobs.WorkerModel`; the
+    default completes every job, successfully, in the step it is submitted).
+    ``blocks_per_chunk``: GPU blocks per offloaded chunk (the oracle's GPU <-> CPU
+    mapping); ``None`` turns the oracle off (then nothing proves the KV content).
+    ``fault``: test-only, one of :data:`FAULTS`. Call
+    :meth:`execute` once per step with the step's ``SchedulerOutput``; it returns the
+    ``ModelRunnerOutput`` to feed back into ``Scheduler.update_from_output``. An
+    exception raised by vLLM's worker code (e.g. its assert on a failed transfer)
+    propagates: in a server it kills the worker and EngineCore.
 
     Raises:
         ValueError: an unknown ``fault``.
@@ -111,6 +198,7 @@ class SimulatedWorker:
 
     scheduler: Any
     vocab_size: int
+    model: WorkerModel = field(default_factory=WorkerModel)
     blocks_per_chunk: int | None = None
     fault: str | None = None
     oracle: KVOracle | None = None
@@ -118,11 +206,19 @@ class SimulatedWorker:
     stores: list[SpecRecord] = field(default_factory=list)
     inconsistent_specs: list[dict[str, Any]] = field(default_factory=list)
     jobs_completed: int = 0
+    #: engine steps executed so far (the job queue's clock)
+    step: int = 0
+    queue: JobQueue = field(init=False)
+    _connector: Any = field(default=None, init=False, repr=False)
+    _job_req: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _job_specs: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.queue = JobQueue(self.model)
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.oracle is None and self.blocks_per_chunk is not None:
+            # numpy (the oracle's storage) comes with vLLM; the light env imports this module
             from kvguard.guards.replay.kv_oracle import (
                 KVOracle,
                 layouts_from_kv_cache_config,
@@ -141,12 +237,77 @@ class SimulatedWorker:
                 shared_pages=pages_shared_by_groups(config),
             )
 
-    def _oracle_load(self, job_id: int, cpu_spec: Any, gpu_spec: Any) -> None:
+    # -- the worker-role connector -------------------------------------------------
+    def connector(self) -> Any:
+        """vLLM's ``OffloadingConnector`` in the worker role, over :class:`SimulatedTransfers`."""
+        if self._connector is not None:
+            return self._connector
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        cls = type(self.scheduler.connector)
+        conn = _call(
+            cls,
+            vllm_config=self.scheduler.vllm_config,
+            role=KVConnectorRole.WORKER,
+            kv_cache_config=self.scheduler.kv_cache_config,
+        )
+        cw = conn.connector_worker
+        # TransferResult lives next to the OffloadingWorker the connector worker imports
+        # (vllm.v1.kv_offload.base from 0.23, .worker.worker in 0.21).
+        cw_module = sys.modules[type(cw).__module__]
+        result_cls = getattr(sys.modules[cw_module.OffloadingWorker.__module__], "TransferResult")
+        transfers = SimulatedTransfers(self, result_cls)
+        if getattr(cw, "worker", None) is not None and hasattr(cw.worker, "register_handler"):
+            # 0.21: the real OffloadingWorker dispatches by (src medium, dst medium)
+            from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+            cpu_cls = _cpu_spec_class()
+            cw.worker.register_handler(GPULoadStoreSpec, cpu_cls, transfers)
+            cw.worker.register_handler(cpu_cls, GPULoadStoreSpec, transfers)
+        else:  # 0.23+: the spec's OffloadingWorker, built in register_kv_caches
+            cw.worker = transfers
+        self._connector = conn
+        return conn
+
+    def unsubmitted_stores(self) -> int:
+        """Stores vLLM's worker holds back for the next step (``prepare_store_kv``)."""
+        cw = getattr(self._connector, "connector_worker", None)
+        return len(getattr(cw, "_unsubmitted_store_jobs", ()) or ())
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is still to be submitted or will still complete (hung jobs never)."""
+        return self.unsubmitted_stores() > 0 or any(
+            j.due_step is not None for j in self.queue.pending.values()
+        )
+
+    def _submit(self, job_id: int, is_store: bool, src: Any, dst: Any) -> bool:
+        job = self.queue.submit(job_id, is_store, self._job_req.get(job_id))
+        self._job_specs[job_id] = (src, dst)
+        if is_store:
+            self.on_store_submitted(job, src, dst)
+        return True
+
+    def _finished(self) -> list[PendingJob]:
+        done = self.queue.finished()
+        for job in done:
+            src, dst = self._job_specs.pop(job.job_id, (None, None))
+            if not job.is_store and job.success:
+                self.on_load_completed(job, src, dst)
+        return done
+
+    def on_store_submitted(self, job: PendingJob, src_spec: Any, dst_spec: Any) -> None:
+        """A store's GPU blocks are read when vLLM's worker submits it (oracle copy)."""
+        if self.oracle is not None:
+            self.oracle.store(job.job_id, src_spec, dst_spec)
+
+    def on_load_completed(self, job: PendingJob, src_spec: Any, dst_spec: Any) -> None:
+        """A successful load's GPU blocks are written when it completes (oracle copy)."""
         if self.oracle is None or self.fault == "load_copies_nothing":
             return
         if self.fault == "load_wrong_chunk":
-            cpu_spec = _Rotated(cpu_spec)
-        self.oracle.load(job_id, cpu_spec, gpu_spec)
+            src_spec = _Rotated(src_spec)
+        self.oracle.load(job.job_id, src_spec, dst_spec)
 
     def _compute(self, scheduler_output: Any) -> None:
         """The forward: write each scheduled request's scheduled tokens into its blocks."""
@@ -178,40 +339,64 @@ class SimulatedWorker:
             )
         return rec
 
+    def _run_connector(self, scheduler_output: Any, meta: Any) -> dict[str, Any]:
+        """One step of vLLM's worker-side connector, in the model runner's order."""
+        conn = self.connector()
+        conn.handle_preemptions(meta)
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)  # the OffloadingConnector ignores the forward context
+        conn.wait_for_save()
+        finished_req_ids = set(scheduler_output.finished_req_ids or ())
+        out: dict[str, Any] = {}
+        if hasattr(conn, "get_transfer_results"):  # 0.33
+            res = conn.get_transfer_results(finished_req_ids)
+            out["finished_sending"] = set(res.finished_sending or ())
+            out["finished_recving"] = set(res.finished_recving or ())
+            out["failed_recving"] = set(getattr(res, "failed_recving", None) or ())
+        else:
+            sending, recving = conn.get_finished(finished_req_ids)
+            out["finished_sending"] = set(sending or ())
+            out["finished_recving"] = set(recving or ())
+        out["invalid_block_ids"] = set(conn.get_block_ids_with_load_errors() or ())
+        out["kv_connector_worker_meta"] = conn.build_connector_worker_meta()
+        conn.clear_connector_metadata()
+        return out
+
     def execute(self, scheduler_output: Any) -> Any:
-        """Run one step on the simulated GPU; returns a ``ModelRunnerOutput``."""
+        """Run one step on the simulated GPU; returns a ``ModelRunnerOutput``.
+
+        Raises :class:`WorkerHang` when vLLM's worker would block forever, and whatever
+        vLLM's worker code raises (a failed transfer: ``AssertionError``).
+        """
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
             OffloadingConnectorMetadata,
-            OffloadingWorkerMetadata,
         )
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        completed: dict[int, int] = {}
-        finished_recving: set[str] = set()
-        stores: list[tuple[int, Any, Any]] = []
+        self.queue.step = self.step
         meta = scheduler_output.kv_connector_metadata
+        kv: dict[str, Any] = {}
         if isinstance(meta, OffloadingConnectorMetadata):
             for job_id, job in meta.store_jobs.items():
-                src, dst = _job_specs(job)
+                src, _dst = _job_specs(job)
+                self._job_req[job_id] = job.req_id
                 self.stores.append(self._record(job_id, job.req_id, src, is_store=True))
-                stores.append((job_id, src, dst))
-                completed[job_id] = 1
             for job_id, job in meta.load_jobs.items():
-                src, dst = _job_specs(job)
+                _src, dst = _job_specs(job)
+                self._job_req[job_id] = job.req_id
                 rec = self._record(job_id, job.req_id, dst, is_store=False)
                 if job.req_id in self.scheduler.requests:
                     ids = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)
                     rec.manager_block_ids = [list(map(int, g)) for g in ids]
                 self.loads.append(rec)
-                self._oracle_load(job_id, src, dst)
-                completed[job_id] = 1
-                finished_recving.add(job.req_id)
-        self.jobs_completed += len(completed)
+            kv = self._run_connector(scheduler_output, meta)
         if self.oracle is not None:
+            # after this step's submitted stores read and completed loads wrote
             self.oracle.check(scheduler_output)
             self._compute(scheduler_output)
-            for job_id, src, dst in stores:
-                self.oracle.store(job_id, src, dst)
+        self.step += 1
+        worker_meta = kv.get("kv_connector_worker_meta")
+        self.jobs_completed += len(getattr(worker_meta, "completed_jobs", None) or ())
 
         req_ids: list[str] = []
         sampled: list[list[int]] = []
@@ -222,13 +407,8 @@ class SimulatedWorker:
                 sampled.append([sampled_token(req_id, len(req.output_token_ids), self.vocab_size)])
             else:
                 sampled.append([])  # a partial prefill chunk samples nothing
-        kv_out = KVConnectorOutput(
-            finished_sending=set(),
-            finished_recving=finished_recving,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)
-            if completed
-            else None,
-        )
+        kv_fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+        kv_out = KVConnectorOutput(**{k: v for k, v in kv.items() if k in kv_fields})
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -238,6 +418,13 @@ class SimulatedWorker:
             pooler_output=[],
             kv_connector_output=kv_out,
         )
+
+
+def _cpu_spec_class() -> type:
+    """vLLM's ``CPULoadStoreSpec`` (the offloaded medium of the CPU tier)."""
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    return CPULoadStoreSpec
 
 
 class _Rotated:

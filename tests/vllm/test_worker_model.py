@@ -1,0 +1,210 @@
+"""The replay's worker model and stall detector on the real vLLM scheduler (marker vllm).
+
+The worker side is vLLM's own worker-role ``OffloadingConnector`` over the simulated copy
+engine (guards/replay/worker.py); the timing and faults come from the trace's ``worker``
+object (guards/replay/jobs.py). Outcomes asserted here were measured on vLLM 0.21.0 and
+0.33.0 (the same on both where no release is named).
+
+Run: ``KVGUARD_EXPECT_VLLM=0.33.0 .venvs/vllm-0.33.0/bin/pytest -m vllm tests/vllm/test_worker_model.py``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+from kvguard.guards.replay import harness, report  # noqa: E402
+from kvguard.guards.replay.jobs import WorkerModel  # noqa: E402
+from kvguard.guards.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
+
+#: What vLLM's worker does with ``TransferResult(success=False)`` (0.21.0 and 0.33.0:
+#: ``get_finished`` asserts "we currently do not support job failures").
+FAILED_TRANSFER_ERROR = "AssertionError: assert transfer_result.success"
+FAILED_TRANSFER_SITE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py:"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_guard_state():
+    """run_replay sets KVGUARD_DISABLE=1 (guard off) or installs the guard (guard on) for
+    the whole process; leave neither behind for the next test module."""
+    import os
+
+    saved = os.environ.get("KVGUARD_DISABLE")
+    yield
+    harness.uninstall_guard()
+    if saved is None:
+        os.environ.pop("KVGUARD_DISABLE", None)
+    else:
+        os.environ["KVGUARD_DISABLE"] = saved
+
+
+def _small(worker: dict | None = None, gpu: int = 96, reqs: list[dict] | None = None) -> Trace:
+    """r0 is stored, a filler evicts it from the GPU, r1 (r0's prompt + 64) loads it back."""
+    header = {
+        "kind": "header",
+        "format": "kvguard-replay/1",
+        "name": "small",
+        "geometry": {"tokens_per_block": 16, "tokens_per_chunk": 64, "sliding_window": 128,
+                     "num_gpu_blocks": gpu, "cpu_chunks": 64, "max_num_batched_tokens": 512,
+                     "max_num_seqs": 4, "max_model_len": 4096, "vocab_size": 1000},
+        "worker": worker or {},
+    }
+    reqs = reqs or [
+        {"kind": "request", "id": "r0", "prompt": [{"seed": 1, "tokens": 512}], "max_tokens": 4},
+        {"kind": "request", "id": "filler", "after": "r0",
+         "prompt": [{"seed": 3, "tokens": 640}], "max_tokens": 4},
+        {"kind": "request", "id": "r1", "after": "filler",
+         "prompt": [{"seed": 1, "tokens": 512}, {"seed": 2, "tokens": 64}], "max_tokens": 4},
+    ]
+    return parse_trace([json.dumps(o) for o in [header, *reqs]], source="small")
+
+
+def _replay(trace: Trace, guard: bool = False) -> tuple[harness.ReplayResult, dict[str, Any]]:
+    result = harness.run_replay(trace, guard=guard)
+    return result, report.to_json(result, trace.geometry)
+
+
+@pytest.fixture(scope="module")
+def seed_runs() -> dict[str, tuple[harness.ReplayResult, dict[str, Any]]]:
+    """seed-48959 with latency 0 and with 0..4-step latency (guard on: 0.21.0 would die
+    of the #48959 bound without it)."""
+    trace = load_trace("seed-48959")
+    slow = dataclasses.replace(
+        trace,
+        worker=WorkerModel.from_json(
+            {"load_latency_steps": {"min": 0, "max": 4},
+             "store_latency_steps": {"min": 0, "max": 4}, "seed": 7}
+        ),
+    )
+    return {"instant": _replay(trace, guard=True), "slow": _replay(slow, guard=True)}
+
+
+def test_latency_finishes_every_request_with_the_same_tokens(seed_runs) -> None:
+    (fast, fast_out), (slow, slow_out) = seed_runs["instant"], seed_runs["slow"]
+    for res, out in ((fast, fast_out), (slow, slow_out)):
+        assert res.ok, out
+        assert out["requests"]["finished"] == 4 and out["stalls"] == []
+        assert out["wrong_kv_blocks"] == 0 and out["pending_store_keys"] == 0
+        assert out["worker"]["jobs_in_flight"] == []
+    assert slow.outputs == fast.outputs
+    assert {rid: len(t) for rid, t in slow.outputs.items()} == {
+        r.id: r.max_tokens for r in load_trace("seed-48959").requests
+    }
+    # the same jobs, completed later and out of order
+    assert slow_out["worker"]["jobs_submitted"] == fast_out["worker"]["jobs_submitted"]
+    assert fast_out["worker"]["out_of_order_completions"] == 0
+    assert slow_out["worker"]["out_of_order_completions"] > 0
+    assert slow_out["steps"] > fast_out["steps"]
+
+
+def test_out_of_order_completion_on_the_small_trace_keeps_kv_right() -> None:
+    """Three concurrent requests, then one that loads the first one's prefix back."""
+    reqs = [
+        {"kind": "request", "id": rid, "prompt": [{"seed": seed, "tokens": 256}], "max_tokens": 130}
+        for rid, seed in (("a", 1), ("b", 2), ("c", 3))
+    ] + [
+        {"kind": "request", "id": "filler", "after": "c",
+         "prompt": [{"seed": 4, "tokens": 768}], "max_tokens": 4},
+        {"kind": "request", "id": "d", "after": "filler",
+         "prompt": [{"seed": 1, "tokens": 256}, {"seed": 5, "tokens": 64}], "max_tokens": 4},
+    ]
+    # seed 1: the first store (a's prefill) takes 4 steps, the second (b's) 0
+    worker = {"load_latency_steps": {"min": 0, "max": 6},
+              "store_latency_steps": {"min": 0, "max": 6}, "seed": 1}
+    res, out = _replay(_small(worker, gpu=128, reqs=reqs))
+    base, base_out = _replay(_small(gpu=128, reqs=reqs))
+    assert res.ok and out["wrong_kv_blocks"] == 0, out
+    assert res.outputs == base.outputs
+    done = res.worker.queue.completed
+    assert any(a.job_id > b.job_id for a, b in zip(done, done[1:]))  # a later job first
+    assert out["worker"]["out_of_order_completions"] > 0
+    assert base_out["worker"]["out_of_order_completions"] == 0
+    assert "d" in [ld["request_id"] for ld in out["worker"]["loads"]]
+    assert out["worker"]["kv_oracle"]["loaded_blocks"] > 0
+
+
+@pytest.mark.parametrize("fault", ["fail_load_jobs", "fail_store_jobs"])
+def test_a_failed_transfer_kills_the_worker(fault: str) -> None:
+    """vLLM's worker asserts ``transfer_result.success``: no recompute, no failed request,
+    no ``invalid_block_ids``: the worker (and EngineCore) dies."""
+    res, out = _replay(_small({fault: [0]}))
+    assert out["engine_survived"] is False
+    assert out["error"] == FAILED_TRANSFER_ERROR
+    assert out["error_site"].startswith(FAILED_TRANSFER_SITE)
+    assert out["error_site"].endswith("in get_finished")
+    (failed,) = out["worker"]["failed_jobs"]
+    assert failed["store"] is (fault == "fail_store_jobs")
+    if fault == "fail_load_jobs":
+        assert failed["request_id"] == "r1"
+        assert out["requests"]["finished"] == 2
+        # the failed load copied nothing into the GPU, and no request read it
+        assert out["worker"]["kv_oracle"]["loaded_blocks"] == 0
+        assert out["wrong_kv_blocks"] == 0
+    else:
+        assert failed["request_id"] == "r0" and out["requests"]["finished"] == 0
+
+
+def test_a_load_that_never_completes_is_named() -> None:
+    res, out = _replay(_small({"hang_load_jobs": [0]}))
+    assert out["stalled"] is True and out["engine_survived"] is True
+    (stall,) = out["stalls"]
+    assert stall["request_id"] == "r1"
+    assert stall["status"] == "WAITING_FOR_REMOTE_KVS"
+    assert stall["kind"] == "load_never_completes"
+    assert stall["waiting_steps"] == harness.STALL_STEPS
+    (load,) = stall["connector"]["pending_loads"]
+    assert load["hung"] is True
+    assert stall["connector"]["transfer_jobs"] == [{"job_id": load["job_id"], "store": False}]
+
+
+def test_a_store_that_never_completes_hangs_the_flush_of_its_blocks() -> None:
+    """Measured: vLLM fences the blocks of a pending store; the filler's allocation reuses
+    r0's freed blocks, so vLLM's worker waits on r0's store (``jobs_to_flush``) forever
+    before r1 ever looks it up."""
+    res, out = _replay(_small({"hang_store_jobs": [0]}))
+    assert out["stalled"] is True and out["engine_survived"] is True
+    (stall,) = out["stalls"]
+    assert stall["request_id"] == "filler"
+    assert stall["kind"] == "flush_waits_forever"
+    assert stall["blocked_by"] == [{"job_id": 0, "request_id": "r0"}]
+    assert out["requests"] == {"submitted": 2, "finished": 1, "aborted": 0}
+    assert out["pending_store_keys"] > 0  # r0's chunks stay "being written"
+
+
+def test_a_prompt_larger_than_the_gpu_waits_for_blocks() -> None:
+    reqs = [{"kind": "request", "id": "big", "prompt": [{"seed": 1, "tokens": 1200}], "max_tokens": 2}]
+    _res, out = _replay(_small(gpu=48, reqs=reqs))
+    assert out["stalled"] is True
+    assert [(s["request_id"], s["status"], s["kind"], s["waiting_steps"]) for s in out["stalls"]] == [
+        ("big", "WAITING", "waiting_for_blocks", harness.STALL_STEPS)
+    ]
+
+
+def test_memory_pressure_preempts_and_readmits() -> None:
+    reqs = [
+        {"kind": "request", "id": rid, "prompt": [{"seed": seed, "tokens": 150}], "max_tokens": 300}
+        for rid, seed in (("a", 1), ("b", 2))
+    ]
+    worker = {"load_latency_steps": {"min": 0, "max": 3},
+              "store_latency_steps": {"min": 0, "max": 3}, "seed": 1}
+    res, out = _replay(_small(worker, gpu=64, reqs=reqs))
+    assert res.ok and out["wrong_kv_blocks"] == 0
+    assert sum(out["preemptions"].values()) > 0
+    assert {rid: len(t) for rid, t in res.outputs.items()} == {"a": 300, "b": 300}
+
+
+def test_same_seed_same_report() -> None:
+    worker = {"load_latency_steps": {"min": 0, "max": 5}, "store_latency_steps": {"min": 1, "max": 3},
+              "seed": 5, "fail_loads": {"rate": 0.0}}
+    one = _replay(_small(worker))[1]
+    two = _replay(_small(worker))[1]
+    one.pop("wall_s"), two.pop("wall_s")
+    assert one == two
+    other = _replay(_small({**worker, "seed": 6}))[1]
+    other.pop("wall_s")
+    assert other["worker"]["model"]["seed"] == 6 and one["worker"]["model"]["seed"] == 5
