@@ -1,7 +1,9 @@
 """``kvguard replay``: replay a trace on the real vLLM offload scheduler (the main job).
 
-Exit status: 0 when the engine survived and every request finished; 1 otherwise
-(the engine died, a request waited forever, or the trace could not be loaded).
+Exit status: 0 when the engine survived, every request finished and the KV-content
+oracle found no wrong KV (``wrong_kv_blocks == 0``); 1 otherwise (the engine died, a
+request waited forever, a GPU block held wrong KV when vLLM read it, or the trace could
+not be loaded).
 With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.guards.replay.report`);
 vLLM's and kvguard's logs go to stderr.
 """

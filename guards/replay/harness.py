@@ -76,9 +76,21 @@ class ReplayResult:
     pending_store_keys: int | None = None
 
     @property
+    def wrong_kv_blocks(self) -> int:
+        """GPU blocks the KV-content oracle found holding wrong KV (0 without an oracle)."""
+        oracle = self.worker.oracle if self.worker is not None else None
+        return oracle.wrong_kv_blocks if oracle is not None else 0
+
+    @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived and every submitted request finished."""
-        return self.engine_survived and not self.stalled and self.finished == self.submitted
+        """Exit-0 condition: the engine survived, every submitted request finished, and
+        the KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
+        return (
+            self.engine_survived
+            and not self.stalled
+            and self.finished == self.submitted
+            and self.wrong_kv_blocks == 0
+        )
 
 
 def vllm_version() -> str:
@@ -317,7 +329,11 @@ def build_engine(geometry: Geometry) -> Engine:
     if connector is None or type(connector).__name__ != "OffloadingConnector":
         raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
     connector_scheduler = connector.connector_scheduler
-    worker = SimulatedWorker(scheduler=scheduler, vocab_size=geometry.vocab_size)
+    worker = SimulatedWorker(
+        scheduler=scheduler,
+        vocab_size=geometry.vocab_size,
+        blocks_per_chunk=geometry.blocks_per_chunk,
+    )
     return Engine(
         scheduler=scheduler,
         connector=connector,

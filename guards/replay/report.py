@@ -6,6 +6,7 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
      "guard_installed": true, "engine_survived": true, "error": null, "error_site": null,
      "stalled": false,
      "requests": {"submitted": 4, "finished": 4},
+     "wrong_kv_blocks": 0, "wrong_kv": [],
      "checks": {"swa_pending_bound": {"evaluated": 1, "tolerated": 1, "violations": 0,
                                       "max_pending_blocks": 129, "bound": 129}, ...},
      "guard_errors": {}, "sites": {"installed": 54, "not_rewritten": [], "disabled": 0,
@@ -14,6 +15,9 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
      "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
                                         "local_hit_tokens": 0, "num_cached_tokens": 98012}},
      "worker": {"jobs_completed": 16, "stores": 15, "inconsistent_specs": [],
+                "kv_oracle": {"checks": 68, "checked_blocks": 52000, "stored_blocks": 24000,
+                              "loaded_blocks": 3192, "rejected_jobs": [],
+                              "shared_pages": false},
                 "store_specs": [{"request_id": ..., "job_id": ..., "group_sizes": [...],
                                  "block_indices": [...]}, ...],
                 "loads": [{"request_id": ..., "job_id": ..., "num_cached_tokens": 98012,
@@ -22,7 +26,12 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
                                          "lost": 0, "added": 0}}]},
      "cpu_chunks": 2048, "pending_store_keys": 0}
 
-``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
+``wrong_kv_blocks`` counts distinct (request, KV cache group, block index) that the
+KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) found holding KV other than the
+request's tokens at those positions when vLLM was about to read them; ``wrong_kv`` lists
+the first few (``request_id``, ``group``, ``block_index``, ``gpu_block_id``, ``what``:
+expected vs found positions, never token ids). ``kv_oracle`` is ``null`` when the worker
+ran without the oracle. ``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
 ``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
 guard); ``guard_errors`` counts exceptions inside kvguard code per stage
 (:func:`kvguard.guards.runtime.guard_errors`; ``{}`` is the healthy value); ``sites`` is the
@@ -84,6 +93,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
                 "swa_window": swa_window(load, cached, geometry) if cached else None,
             }
         )
+    oracle = worker.oracle if worker is not None else None
     return {
         "vllm_version": result.vllm_version,
         "trace": result.trace,
@@ -95,6 +105,8 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "error_site": result.error_site,
         "stalled": result.stalled,
         "requests": {"submitted": result.submitted, "finished": result.finished},
+        "wrong_kv_blocks": result.wrong_kv_blocks,
+        "wrong_kv": list(oracle.wrong_kv) if oracle is not None else [],
         "checks": result.checks,
         "guard_errors": result.guard_errors,
         "sites": {k: v for k, v in result.sites.items() if k != "modules"},
@@ -105,6 +117,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
             "jobs_completed": worker.jobs_completed if worker else 0,
             "stores": len(worker.stores) if worker else 0,
             "inconsistent_specs": worker.inconsistent_specs if worker else [],
+            "kv_oracle": oracle.summary() if oracle is not None else None,
             "loads": loads,
             "store_specs": [
                 {
@@ -150,6 +163,17 @@ def to_text(report: dict[str, Any]) -> str:
             f"  load:     {load['request_id']}: num_cached_tokens={load['num_cached_tokens']}, "
             f"GPU blocks per group {load['group_sizes']}{extra}"
         )
+    kv = report["worker"].get("kv_oracle")
+    if kv is not None:
+        lines.append(
+            f"  kv:       {report['wrong_kv_blocks']} GPU blocks with wrong KV "
+            f"({kv['checked_blocks']} block checks over {kv['checks']} steps)"
+        )
+        for off in report["wrong_kv"]:
+            lines.append(
+                f"            {off['request_id']} group {off['group']} block {off['block_index']}"
+                f" (GPU block {off['gpu_block_id']}): {off['what']}"
+            )
     bad = report["worker"]["inconsistent_specs"]
     lines.append(f"  worker:   {report['worker']['jobs_completed']} transfer jobs done, "
                  f"{len(bad)} inconsistent specs received")

@@ -1,0 +1,442 @@
+"""The KV-content oracle of the replay worker: proves "never wrong KV", not only "no crash".
+
+The simulated GPU has no tensors, so the oracle keeps, for every slot of every GPU block
+and of every offloaded chunk, a fingerprint of the KV a real worker would hold there:
+the token id *and* its position, encoded as one int64 per slot::
+
+    code(position, token_id) = position * (vocab_size + 1) + token_id + 1   (0 = never written)
+
+Per-slot codes detect the failures a block hash of the request would hide: the right
+tokens at the wrong position (a chunk loaded one chunk off), a partially written block (a
+load that copied nothing leaves the block's previous or empty slots), and stale content of
+a reallocated block. Content, not request ids, is compared, so a prefix-cache hit (a block
+computed for request X holding the same tokens at the same positions) is valid for Y.
+
+Storage (numpy, allocated once): GPU ``num_gpu_blocks x tokens_per_block`` per KV cache
+group; CPU one ``blocks_per_chunk x tokens_per_block`` array per (group, CPU block id),
+created when a store first writes it. On vLLM 0.21 / 0.25 the replay's ``KVCacheTensor``
+is ``shared_by`` the layers of every group, so a GPU block id (and its CPU chunk) is the
+same memory whichever group owns it: ``shared_pages=True`` keys storage by block id alone,
+as the hardware would. On 0.33 the layers sit side by side in each block, so storage is
+keyed by (group, block id).
+
+The hooks, in the order the simulated worker calls them in one step (a worker model with
+job latency, issue 10, calls the same hooks at other times; each hook is self-contained):
+
+- :meth:`load` (``cpu_spec`` -> ``gpu_spec``): a load job's copy, at its *completion*.
+- :meth:`check` (``scheduler_output``): before the step's compute. For every scheduled
+  request and every KV cache group, every GPU block that vLLM will read for it must hold
+  that request's tokens at those positions. Read range in tokens: ``[0,
+  num_computed_tokens)`` for full attention; ``[max(0, num_computed_tokens -
+  sliding_window + 1 - extra_retained_tokens), num_computed_tokens)`` for a sliding-window
+  group (vLLM's ``get_num_skipped_tokens``: blocks wholly below it are freed to the null
+  block and never read). A null block (id 0) inside the read range is an offender.
+  ``num_computed_tokens`` is the value before the step: ``request.num_computed_tokens -
+  scheduler_output.num_scheduled_tokens[req_id]`` (vLLM's ``_update_after_schedule``
+  already added the scheduled tokens when ``schedule()`` returned), so call it between
+  ``schedule()`` and ``update_from_output()``.
+- :meth:`computed_range` / :meth:`computed`: the step's forward writes the scheduled
+  tokens ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)`` into the
+  request's real block table (``kv_cache_manager.get_block_ids(req_id)``, per group).
+- :meth:`store` (``gpu_spec`` -> ``cpu_spec``): a store job's copy. vLLM's offloading
+  worker defers a store to the beginning of the next engine step (``prepare_store_kv``,
+  "NOTE(orozery)" in 0.21.0 and 0.33.0), i.e. after this step's forward and before the
+  next step's loads: the simulated worker calls it after :meth:`computed_range`.
+
+GPU <-> CPU mapping, exactly that of vLLM's ``transfer_async``
+(``vllm/v1/kv_offload/cpu/gpu_worker.py``, the same loop in 0.21.0 and 0.33.0; the
+factor is ``block_size_factor`` in 0.21 and ``blocks_per_chunk`` in 0.33): for spec group
+``i`` with ``group_sizes[i]`` GPU blocks starting at logical block ``block_indices[i]``,
+``skip = block_indices[i] % blocks_per_chunk``; its CPU chunks are the next
+``cdiv(group_sizes[i] + skip, blocks_per_chunk)`` ids of the CPU spec, and its ``j``-th GPU
+block is sub-block ``(skip + j) % blocks_per_chunk`` of chunk ``(skip + j) //
+blocks_per_chunk``. Spec group ``i`` is KV cache group ``offload_group_ids[i]`` (vLLM
+0.33's ``get_offloading_group_ids``; every group on earlier releases). A spec on which
+vLLM's own loop asserts (``dst_end_offset <= num_dst_blocks``, ``src_offset ==
+num_src_blocks``, ``len(group_sizes)`` != groups) copies nothing (vLLM asserts before the
+batched copy) and is listed in :attr:`KVOracle.rejected_jobs`.
+
+Costs: a step's check gathers ``num_computed_tokens`` int64 per group and request (one
+numpy gather + compare); token codes are built once per request and extended as it
+decodes. Offenders are counted once per (request, group, block index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+#: How many offenders the report lists in full (the count is always exact).
+MAX_OFFENDERS = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One KV cache group as the oracle sees it.
+
+    ``tokens_per_block``: tokens per GPU block of this group. ``sliding_window`` (tokens) and
+    ``extra_retained_tokens`` (tokens kept below the window, MTP; vLLM 0.33
+    ``SlidingWindowSpec.extra_retained_tokens``) are ``None`` / 0 for full attention.
+    """
+
+    tokens_per_block: int
+    sliding_window: int | None = None
+    extra_retained_tokens: int = 0
+
+    def read_start(self, num_computed_tokens: int) -> int:
+        """First token position vLLM reads (and keeps) for ``num_computed_tokens`` computed."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
+
+
+def layouts_from_kv_cache_config(kv_cache_config: Any) -> list[GroupLayout]:
+    """The :class:`GroupLayout` of every group of a real vLLM ``KVCacheConfig``.
+
+    Sliding-window groups are recognised by the spec's ``sliding_window`` field;
+    ``extra_retained_tokens`` is read where the release's spec has it (0 otherwise).
+    """
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        out.append(
+            GroupLayout(
+                tokens_per_block=int(spec.block_size),
+                sliding_window=int(window) if window else None,
+                extra_retained_tokens=int(getattr(spec, "extra_retained_tokens", 0) or 0),
+            )
+        )
+    return out
+
+
+def offload_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """KV cache group of each spec group: vLLM's ``get_offloading_group_ids`` where it exists."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            get_offloading_group_ids,
+        )
+    except ImportError:  # 0.21 / 0.25: every group is offloaded, in order
+        return tuple(range(len(kv_cache_config.kv_cache_groups)))
+    return tuple(int(g) for g in get_offloading_group_ids(kv_cache_config))
+
+
+def pages_shared_by_groups(kv_cache_config: Any) -> bool:
+    """True when one ``KVCacheTensor`` is ``shared_by`` layers of several groups (0.21 / 0.25)."""
+    layer_group = {
+        name: gi for gi, g in enumerate(kv_cache_config.kv_cache_groups) for name in g.layer_names
+    }
+    for tensor in kv_cache_config.kv_cache_tensors:
+        shared = getattr(tensor, "shared_by", None)
+        if shared and len({layer_group.get(n) for n in shared}) > 1:
+            return True
+    return False
+
+
+@dataclass
+class KVOracle:
+    """Per-slot KV fingerprints of the simulated GPU and CPU tier (module docstring).
+
+    Args:
+        scheduler: the real vLLM ``Scheduler`` (read only: ``requests``,
+            ``kv_cache_manager.get_block_ids``), used by :meth:`check` and the worker.
+        groups: one :class:`GroupLayout` per KV cache group, in vLLM's group order.
+        num_gpu_blocks: GPU blocks of the KV cache (block id 0 is vLLM's null block).
+        blocks_per_chunk: GPU blocks per offloaded chunk (0.21 ``block_size_factor``).
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        offload_group_ids: KV cache group of each GPU spec group (default: all, in order).
+        shared_pages: one page per block id for all groups (0.21 / 0.25 ``shared_by``).
+
+    Raises:
+        ValueError: ``shared_pages`` with groups of different ``tokens_per_block``.
+    """
+
+    scheduler: Any
+    groups: Sequence[GroupLayout]
+    num_gpu_blocks: int
+    blocks_per_chunk: int
+    vocab_size: int
+    offload_group_ids: Sequence[int] | None = None
+    shared_pages: bool = False
+    #: distinct (request, group, block index) found holding the wrong KV at a check
+    wrong_kv_blocks: int = 0
+    #: the first :data:`MAX_OFFENDERS` offenders (short form, no bulk token ids)
+    wrong_kv: list[dict[str, Any]] = field(default_factory=list)
+    #: block checks done (a block checked at 10 steps counts 10): evidence the oracle ran
+    checked_blocks: int = 0
+    checks: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    #: transfer jobs vLLM's own worker loop would assert on (nothing copied)
+    rejected_jobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.groups = list(self.groups)
+        if self.offload_group_ids is None:
+            self.offload_group_ids = tuple(range(len(self.groups)))
+        self.offload_group_ids = tuple(self.offload_group_ids)
+        if self.shared_pages and len({g.tokens_per_block for g in self.groups}) > 1:
+            raise ValueError("shared_pages needs one tokens_per_block for every KV cache group")
+        self._base = self.vocab_size + 1
+        if self.shared_pages:
+            one = np.zeros((self.num_gpu_blocks, self.groups[0].tokens_per_block), np.int64)
+            self._gpu = [one for _ in self.groups]
+        else:
+            self._gpu = [
+                np.zeros((self.num_gpu_blocks, g.tokens_per_block), np.int64) for g in self.groups
+            ]
+        self._cpu: dict[tuple[int, int], np.ndarray] = {}
+        self._codes: dict[str, np.ndarray] = {}
+        self._seen: set[tuple[str, int, int]] = set()
+
+    # -- fingerprints -------------------------------------------------------------------
+
+    def _key(self, group: int, block_id: int) -> tuple[int, int]:
+        return (0 if self.shared_pages else group, int(block_id))
+
+    def token_codes(self, req_id: str, token_ids: Sequence[int] | None = None) -> np.ndarray:
+        """Slot codes of request ``req_id``'s tokens at positions 0..n-1 (int64, cached).
+
+        ``token_ids`` defaults to the live request's ``all_token_ids``; the cache only grows
+        (prompt, then sampled tokens), so a decode step appends one code.
+        """
+        if token_ids is None:
+            token_ids = self.scheduler.requests[req_id].all_token_ids
+        have = self._codes.get(req_id)
+        n = len(token_ids)
+        if have is not None and len(have) >= n:
+            return have[:n] if len(have) > n else have
+        start = 0 if have is None else len(have)
+        new = np.fromiter((token_ids[i] for i in range(start, n)), np.int64, n - start)
+        new += np.arange(start, n, dtype=np.int64) * self._base + 1
+        codes = new if have is None else np.concatenate([have, new])
+        self._codes[req_id] = codes
+        return codes
+
+    def forget(self, req_id: str) -> None:
+        """Drop the cached token codes of a finished request (storage is not touched)."""
+        self._codes.pop(req_id, None)
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def computed(
+        self,
+        req_id: str,
+        group: int,
+        gpu_block_id: int,
+        block_index: int,
+        tokens: Sequence[int],
+        start: int | None = None,
+    ) -> None:
+        """GPU block ``gpu_block_id`` (logical block ``block_index`` of ``req_id`` in
+        ``group``) now holds ``tokens`` at positions ``start .. start + len(tokens) - 1``
+        (default ``start``: the block's first position). Writes to the null block are
+        dropped. Raises ValueError for positions outside the block."""
+        tpb = self.groups[group].tokens_per_block
+        base = block_index * tpb
+        start = base if start is None else start
+        if not (base <= start and start + len(tokens) <= base + tpb):
+            raise ValueError(f"positions {start}+{len(tokens)} are outside block index {block_index}")
+        if gpu_block_id == 0 or not len(tokens):
+            return
+        pos = np.arange(start, start + len(tokens), dtype=np.int64)
+        codes = pos * self._base + np.asarray(tokens, np.int64) + 1
+        self._gpu[group][gpu_block_id, start - base : start - base + len(tokens)] = codes
+
+    def computed_range(
+        self, req_id: str, group: int, block_ids: Sequence[int], start: int, end: int,
+        codes: np.ndarray | None = None,
+    ) -> None:
+        """The forward wrote positions ``[start, end)`` of ``req_id`` into ``block_ids`` (the
+        request's block table of ``group``; logical block ``k`` is ``block_ids[k]``).
+        ``codes`` defaults to :meth:`token_codes`. Null blocks (id 0) are skipped."""
+        if end <= start:
+            return
+        if codes is None:
+            codes = self.token_codes(req_id)
+        tpb = self.groups[group].tokens_per_block
+        pos = np.arange(start, end, dtype=np.int64)
+        blk = pos // tpb
+        table = np.asarray(block_ids, np.int64)
+        if len(table) <= int(blk[-1]):
+            raise ValueError(
+                f"{req_id}: group {group} has {len(table)} GPU blocks, positions up to {end - 1}"
+            )
+        ids = table[blk]
+        keep = ids != 0
+        self._gpu[group][ids[keep], (pos % tpb)[keep]] = codes[start:end][keep]
+
+    def _plan(self, gpu_spec: Any, num_cpu_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Per spec group: (KV cache group, GPU block ids, CPU chunk ids, sub-block index).
+
+        ``None`` where vLLM's ``transfer_async`` would assert (nothing is copied then).
+        """
+        sizes = [int(x) for x in gpu_spec.group_sizes]
+        indices = [int(x) for x in gpu_spec.block_indices]
+        gpu_ids = np.asarray(gpu_spec.block_ids, np.int64)
+        if len(sizes) != len(self.offload_group_ids) or len(indices) != len(sizes):
+            return None
+        if sum(sizes) != len(gpu_ids):
+            return None
+        bpc = self.blocks_per_chunk
+        plan = []
+        g_off = c_off = 0
+        for i, (size, idx) in enumerate(zip(sizes, indices)):
+            if size == 0:
+                continue
+            skip = idx % bpc
+            n_chunks = _cdiv(size + skip, bpc)
+            if c_off + n_chunks > num_cpu_blocks:
+                return None
+            flat = np.arange(skip, skip + size, dtype=np.int64)
+            plan.append((self.offload_group_ids[i], gpu_ids[g_off : g_off + size],
+                         flat // bpc + c_off, flat % bpc))
+            g_off += size
+            c_off += n_chunks
+        if c_off != num_cpu_blocks:
+            return None
+        return plan
+
+    def _chunk(self, group: int, cpu_block: int) -> np.ndarray:
+        key = self._key(group, cpu_block)
+        arr = self._cpu.get(key)
+        if arr is None:
+            tpb = self.groups[group].tokens_per_block
+            arr = self._cpu[key] = np.zeros((self.blocks_per_chunk, tpb), np.int64)
+        return arr
+
+    def store(self, job_id: int, gpu_spec: Any, cpu_spec: Any) -> int:
+        """Copy a store job's GPU blocks into its CPU chunks; returns GPU blocks copied."""
+        cpu_ids = np.asarray(cpu_spec.block_ids, np.int64)
+        plan = self._plan(gpu_spec, len(cpu_ids))
+        if plan is None:
+            self.rejected_jobs.append({"job_id": int(job_id), "store": True})
+            return 0
+        copied = 0
+        for group, gids, chunk_pos, sub in plan:
+            src = self._gpu[group][gids]
+            for k in range(len(gids)):
+                self._chunk(group, int(cpu_ids[chunk_pos[k]]))[sub[k]] = src[k]
+            copied += len(gids)
+        self.stored_blocks += copied
+        return copied
+
+    def load(self, job_id: int, cpu_spec: Any, gpu_spec: Any) -> int:
+        """Copy a load job's CPU chunks into its GPU blocks; returns GPU blocks copied.
+
+        A chunk slot never stored reads as "never written" (zeros), as fresh memory would
+        not hold the request's KV either.
+        """
+        cpu_ids = np.asarray(cpu_spec.block_ids, np.int64)
+        plan = self._plan(gpu_spec, len(cpu_ids))
+        if plan is None:
+            self.rejected_jobs.append({"job_id": int(job_id), "store": False})
+            return 0
+        copied = 0
+        for group, gids, chunk_pos, sub in plan:
+            dst = self._gpu[group]
+            tpb = self.groups[group].tokens_per_block
+            for k in range(len(gids)):
+                chunk = self._cpu.get(self._key(group, int(cpu_ids[chunk_pos[k]])))
+                dst[gids[k]] = chunk[sub[k]] if chunk is not None else np.zeros(tpb, np.int64)
+            copied += len(gids)
+        self.loaded_blocks += copied
+        return copied
+
+    def check(self, scheduler_output: Any) -> int:
+        """Check every scheduled request's read range (module docstring); returns new offenders."""
+        self.checks += 1
+        new = 0
+        requests = self.scheduler.requests
+        manager = self.scheduler.kv_cache_manager
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            req = requests.get(req_id)
+            if req is None:
+                continue
+            computed = int(req.num_computed_tokens) - int(num_scheduled)
+            if computed <= 0:
+                continue
+            new += self.check_request(req_id, manager.get_block_ids(req_id), computed)
+        return new
+
+    def check_request(self, req_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int) -> int:
+        """Check ``req_id``'s blocks (per group) for positions it has computed; new offenders."""
+        codes = self.token_codes(req_id)
+        new = 0
+        for group, (layout, table) in enumerate(zip(self.groups, block_ids)):
+            tpb = layout.tokens_per_block
+            lo = layout.read_start(num_computed_tokens)
+            first, end = lo // tpb, _cdiv(num_computed_tokens, tpb)
+            ids = np.asarray(table[first:end], np.int64)
+            if len(ids) < end - first:
+                bad = list(range(first + len(ids), end))
+                new += self._offend(req_id, group, bad, [-1] * len(bad), "no GPU block")
+                ids = np.concatenate([ids, np.zeros(end - first - len(ids), np.int64)])
+            found = self._gpu[group][ids].reshape(-1)
+            want = np.zeros_like(found)
+            a, b = lo - first * tpb, num_computed_tokens - first * tpb
+            want[a:b] = codes[lo:num_computed_tokens]
+            mask = np.zeros(len(found), bool)
+            mask[a:b] = True
+            diff = ((found != want) & mask).reshape(-1, tpb).any(axis=1) | (ids == 0)
+            self.checked_blocks += len(ids)
+            if diff.any():
+                for k in np.flatnonzero(diff):
+                    bi = first + int(k)
+                    new += self._offend(
+                        req_id, group, [bi], [int(ids[k])],
+                        self._describe(found[k * tpb : (k + 1) * tpb], want[k * tpb : (k + 1) * tpb],
+                                       mask[k * tpb : (k + 1) * tpb], int(ids[k])),
+                    )
+        return new
+
+    def _describe(self, found: np.ndarray, want: np.ndarray, mask: np.ndarray, block_id: int) -> str:
+        """Short form of a wrong block: what was expected vs found (positions, never tokens)."""
+        exp = np.flatnonzero(mask)
+        wp = (want[exp] - 1) // self._base
+        expected = f"positions {int(wp[0])}..{int(wp[-1])}"
+        if block_id == 0:
+            return f"expected {expected}; found the null block"
+        got = found[exp]
+        written = got != 0
+        if not written.any():
+            return f"expected {expected}; found never-written slots"
+        fp = (got[written] - 1) // self._base
+        wrong = int((got != want[exp]).sum())
+        same_pos = bool((fp == wp[written]).all())
+        what = "other tokens at the same positions" if same_pos else (
+            f"positions {int(fp.min())}..{int(fp.max())}")
+        return f"expected {expected}; {wrong}/{len(exp)} slots differ, found {what}"
+
+    def _offend(self, req_id: str, group: int, block_indices: list[int], block_ids: list[int], what: str) -> int:
+        new = 0
+        for bi, bid in zip(block_indices, block_ids):
+            key = (req_id, group, bi)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            new += 1
+            self.wrong_kv_blocks += 1
+            if len(self.wrong_kv) < MAX_OFFENDERS:
+                self.wrong_kv.append(
+                    {"request_id": req_id, "group": group, "block_index": bi,
+                     "gpu_block_id": bid, "what": what}
+                )
+        return new
+
+    def summary(self) -> dict[str, Any]:
+        """The report's ``kv_oracle`` object (counts in GPU blocks)."""
+        return {
+            "checks": self.checks,
+            "checked_blocks": self.checked_blocks,
+            "stored_blocks": self.stored_blocks,
+            "loaded_blocks": self.loaded_blocks,
+            "rejected_jobs": list(self.rejected_jobs),
+            "shared_pages": self.shared_pages,
+        }
