@@ -59,6 +59,8 @@ class ReplayResult:
     stalled: bool = False
     submitted: int = 0
     finished: int = 0
+    #: requests the trace aborted (``abort_at_step``) through ``Scheduler.finish_requests``
+    aborted: int = 0
     steps: int = 0
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
@@ -83,12 +85,13 @@ class ReplayResult:
 
     @property
     def ok(self) -> bool:
-        """Exit-0 condition: the engine survived, every submitted request finished, and
+        """Exit-0 condition: the engine survived, did not stall, every submitted request
+        finished or was aborted by the trace (an aborted request is not a lost one), and
         the KV-content oracle found no wrong KV (``wrong_kv_blocks == 0``)."""
         return (
             self.engine_survived
             and not self.stalled
-            and self.finished == self.submitted
+            and self.finished + self.aborted == self.submitted
             and self.wrong_kv_blocks == 0
         )
 
@@ -467,6 +470,26 @@ def _make_request(engine: Engine, treq: TraceRequest, prompt: list[int]) -> Any:
     )
 
 
+def _abort_request(scheduler: Any, request_id: str) -> None:
+    """Abort one request the way EngineCore does on a client disconnect.
+
+    Calls the real ``Scheduler.finish_requests(request_ids, finished_status)`` with
+    ``RequestStatus.FINISHED_ABORTED``; the arguments are bound by the installed
+    release's signature (0.21.0, 0.25.1 and 0.33.0 all name them
+    ``request_ids, finished_status``), so a renamed keyword fails loudly here.
+    """
+    import inspect
+
+    from vllm.v1.request import RequestStatus
+
+    finish = scheduler.finish_requests
+    params = list(inspect.signature(finish).parameters)
+    args = inspect.signature(finish).bind(
+        **{params[0]: request_id, params[1]: RequestStatus.FINISHED_ABORTED}
+    )
+    finish(*args.args, **args.kwargs)
+
+
 def run_replay(
     trace: Trace,
     *,
@@ -506,6 +529,7 @@ def run_replay(
     live: dict[str, Any] = {}
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
+    aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
     idle_steps = 0
     t_start = time.perf_counter()
     try:
@@ -534,6 +558,15 @@ def run_replay(
                 result.submitted += 1
                 arrived = True
             pending = still
+            # Client aborts (trace ``abort_at_step``): after this step's arrivals, before
+            # its schedule(); only a request that has arrived and is not finished.
+            for rid, at in aborts.items():
+                req = live.get(rid)
+                if at == step and req is not None and not req.is_finished():
+                    _abort_request(scheduler, rid)
+                    live.pop(rid)
+                    result.aborted += 1
+                    arrived = True  # progress: the stall counter restarts
             if not live and not pending:
                 break
 

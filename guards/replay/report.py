@@ -5,7 +5,7 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
     {"vllm_version": "0.25.1", "trace": "seed-48959", "guard": true, "policy": "guard",
      "guard_installed": true, "engine_survived": true, "error": null, "error_site": null,
      "stalled": false,
-     "requests": {"submitted": 4, "finished": 4},
+     "requests": {"submitted": 4, "finished": 4, "aborted": 0},
      "wrong_kv_blocks": 0, "wrong_kv": [],
      "checks": {"swa_pending_bound": {"evaluated": 1, "tolerated": 1, "violations": 0,
                                       "max_pending_blocks": 129, "bound": 129}, ...},
@@ -104,7 +104,11 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "error": result.error,
         "error_site": result.error_site,
         "stalled": result.stalled,
-        "requests": {"submitted": result.submitted, "finished": result.finished},
+        "requests": {
+            "submitted": result.submitted,
+            "finished": result.finished,
+            "aborted": result.aborted,
+        },
         "wrong_kv_blocks": result.wrong_kv_blocks,
         "wrong_kv": list(oracle.wrong_kv) if oracle is not None else [],
         "checks": result.checks,
@@ -141,7 +145,10 @@ def to_text(report: dict[str, Any]) -> str:
     req = report["requests"]
     if report["engine_survived"]:
         state = "stalled (a request waits forever)" if report["stalled"] else "survived"
-        lines.append(f"  engine:   {state}; {req['finished']}/{req['submitted']} requests finished")
+        aborted = f", {req['aborted']} aborted" if req.get("aborted") else ""
+        lines.append(
+            f"  engine:   {state}; {req['finished']}/{req['submitted']} requests finished{aborted}"
+        )
     else:
         lines.append(f"  engine:   DIED after {report['steps']} steps: {report['error']}")
         if report["error_site"]:

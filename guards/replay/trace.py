@@ -47,6 +47,16 @@ Request (one per line, in arrival order)::
   for a geometry a vLLM release cannot reach through ``schedule()`` alone (see
   ``docs/replay.md``); everything after it (allocation in the real KV cache manager,
   ``update_state_after_alloc``, the load job, the worker) is vLLM's own path.
+- ``abort_at_step`` (optional, non-negative int ``N``): the client aborts the request.
+  Before the ``N``-th ``schedule()`` call (the harness loop's 0-based step counter,
+  after that step's arrivals), if the request has arrived and is not finished, the
+  harness calls the real ``Scheduler.finish_requests(request_id,
+  RequestStatus.FINISHED_ABORTED)``, as EngineCore does when a client disconnects. The
+  request then counts as ``aborted``, not ``finished``; an aborted request is not lost.
+  If the request has not arrived by step ``N``, or finished before it, nothing is
+  aborted and it runs to its end. No request may depend on a request that has
+  ``abort_at_step`` (``after`` or ``output_of``): its arrival would depend on whether the
+  abort came before the end, so the trace is rejected with :class:`TraceError`.
 
 Prompt tokens are generated at replay time and are never written to a report or log.
 """
@@ -125,6 +135,7 @@ class TraceRequest:
     after: str | None = None
     arrival_step: int = 0
     external_hit_tokens: int | None = None
+    abort_at_step: int | None = None
 
     @property
     def waits_for(self) -> tuple[str, ...]:
@@ -144,6 +155,8 @@ class TraceRequest:
         out["max_tokens"] = self.max_tokens
         if self.external_hit_tokens is not None:
             out["external_hit_tokens"] = self.external_hit_tokens
+        if self.abort_at_step is not None:
+            out["abort_at_step"] = self.abort_at_step
         return out
 
 
@@ -194,6 +207,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
     header: dict[str, Any] | None = None
     requests: list[TraceRequest] = []
     seen: set[str] = set()
+    aborting: set[str] = set()  # ids with abort_at_step: nothing may depend on them
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -232,6 +246,17 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         step = obj.get("arrival_step", 0)
         if not isinstance(step, int) or step < 0:
             raise TraceError(f"{where}: arrival_step must be a non-negative int")
+        abort = obj.get("abort_at_step")
+        if abort is not None and (isinstance(abort, bool) or not isinstance(abort, int) or abort < 0):
+            raise TraceError(f"{where}: abort_at_step must be a non-negative int")
+        for dep in [s.output_of for s in segments if s.output_of is not None] + [after]:
+            if dep is not None and dep in aborting:
+                raise TraceError(
+                    f"{where}: depends on {dep!r}, which has abort_at_step "
+                    "(a request may not wait for an aborted one)"
+                )
+        if abort is not None:
+            aborting.add(rid)
         seen.add(rid)
         requests.append(
             TraceRequest(
@@ -241,6 +266,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                 after=after,
                 arrival_step=step,
                 external_hit_tokens=hit,
+                abort_at_step=abort,
             )
         )
     if header is None:

@@ -122,3 +122,28 @@ def test_replay_modules_import_without_vllm() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_abort_at_step_parses_and_round_trips() -> None:
+    trace = parse_trace(_lines(HEADER, _req("a", abort_at_step=3), _req("b")))
+    assert [r.abort_at_step for r in trace.requests] == [3, None]
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    assert trace.requests[0].to_json()["abort_at_step"] == 3
+    assert "abort_at_step" not in trace.requests[1].to_json()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_abort_at_step_must_be_a_non_negative_int(bad) -> None:
+    with pytest.raises(TraceError, match="abort_at_step must be a non-negative int"):
+        parse_trace(_lines(HEADER, _req("a", abort_at_step=bad)))
+
+
+@pytest.mark.parametrize(
+    "dependent",
+    [{"after": "a"}, {"prompt": [{"output_of": "a"}, {"seed": 2, "tokens": 3}]}],
+)
+def test_no_request_may_depend_on_an_aborted_one(dependent) -> None:
+    with pytest.raises(TraceError, match="may not wait for an aborted one"):
+        parse_trace(_lines(HEADER, _req("a", abort_at_step=0), _req("b", **dependent)))
+    # the same dependency on a request that is not aborted is fine
+    parse_trace(_lines(HEADER, _req("a"), _req("b", **dependent)))
