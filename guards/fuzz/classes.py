@@ -191,7 +191,8 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
     ``frames``: the traceback of the exception that ended the replay (None when it
     survived or none was captured); ``actions``: kvguard's decisions in this replay
     (``check:action`` -> count, from the runner's metrics tee; empty without the guard).
-    A request is *lost* when the engine stayed up and the request never finished.
+    A request is *lost* when the engine stayed up and the request neither finished nor
+    was aborted by the trace.
     """
     out = ExampleOutcome(
         steps=result.steps,
@@ -217,8 +218,8 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
         out.kvguard_death = guard and kv_raised
         bug = "kvguard code raised (innermost frame in kvguard)" if out.kvguard_death else None
         out.findings.append(Finding(KIND_DEATH, name, bug, result.error or ""))
-    elif result.stalled or result.finished < result.submitted:
-        out.requests_lost = result.submitted - result.finished
+    elif result.stalled or result.finished + getattr(result, "aborted", 0) < result.submitted:
+        out.requests_lost = result.submitted - result.finished - getattr(result, "aborted", 0)
         kinds = _stall_kinds(result)
         name = "stall" + (f" {'+'.join(kinds)}" if kinds else "")
         bug = None

@@ -16,7 +16,7 @@ Moves, repeated until none helps (each accepted only when ``predicate(candidate)
 remove a chunk of requests (halves, then quarters, ..., then one at a time, each with
 its dependents); remove a prompt segment; cut all segments of one seed (a shared
 prefix) and then each segment alone to a half, a quarter...; ``max_tokens`` to 1;
-a request's ``after`` / ``arrival_step`` to none (it arrives at step 0).
+a request's ``abort_at_step`` to none; a request's ``after`` / ``arrival_step`` to none (it arrives at step 0).
 The geometry is kept: the class is usually a property of the geometry.
 
 The size order is (requests, prompt tokens, output tokens); a candidate is accepted only
@@ -106,7 +106,11 @@ def _candidates(trace: Trace) -> Iterator[Trace]:
         if r.max_tokens > 1:
             yield _replace_request(trace, i, dataclasses.replace(r, max_tokens=1))
             yield _replace_request(trace, i, dataclasses.replace(r, max_tokens=r.max_tokens // 2 or 1))
-    # 5. arrive at step 0 without waiting (only requests that do not read an output)
+    # 5. no client abort
+    for i, r in enumerate(reqs):
+        if getattr(r, "abort_at_step", None) is not None:
+            yield _replace_request(trace, i, dataclasses.replace(r, abort_at_step=None))
+    # 6. arrive at step 0 without waiting (only requests that do not read an output)
     for i, r in enumerate(reqs):
         if (r.after is not None or r.arrival_step) and not any(s.output_of for s in r.prompt):
             yield _replace_request(trace, i, dataclasses.replace(r, after=None, arrival_step=0))
@@ -114,7 +118,8 @@ def _candidates(trace: Trace) -> Iterator[Trace]:
 
 def _order(trace: Trace) -> tuple:
     reqs = trace.requests
-    return size(trace) + (sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
+    aborts = sum(1 for r in reqs if getattr(r, "abort_at_step", None) is not None)
+    return size(trace) + (aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
 
 
 @dataclasses.dataclass

@@ -15,8 +15,9 @@ exactly. The names follow vLLM's terms:
   ``random.Random(seed)`` draws tokens sequentially, so a shorter segment with the same
   seed is a prefix of a longer one), multi-turn agents (turn k arrives ``after`` turn k-1
   and repeats its prompt plus ``output_of`` it), fillers (unrelated prompts that evict
-  the GPU prefix cache and the CPU tier), long and short prompts, arrival steps.
-  Preemption comes from :func:`geometry`'s small ``num_gpu_blocks``.
+  the GPU prefix cache and the CPU tier), long and short prompts, arrival steps, and
+  client aborts (``abort_at_step``, :func:`with_aborts`) on requests nobody waits for.
+  Preemption comes from :func:`geometry`'s small ``num_gpu_blocks`` and ``max_model_len``.
 - :func:`traces`: a geometry and its traffic, one :class:`Trace`.
 
 Not generated: ``external_hit_tokens`` (a driven hit is the replay's fallback for a
@@ -34,6 +35,7 @@ alone can always be scheduled, so a stall is never the generator's doing).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -57,15 +59,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def min_gpu_blocks(tokens_per_block: int, sliding_window: int, max_model_len: int) -> int:
+def min_gpu_blocks(tokens_per_block: int, sliding_window: int, max_model_len: int, max_num_batched_tokens: int) -> int:
     """GPU blocks one request of ``max_model_len`` tokens needs alone (both KV cache groups).
 
-    Full attention: ``cdiv(max_model_len, tokens_per_block)``; sliding window: the
-    window's blocks plus one partial block on each side; plus vLLM's null block (id 0)
-    and one block of slack for the token being decoded.
+    Full attention: ``cdiv(max_model_len, tokens_per_block)``. Sliding window: while a
+    prefill chunk of up to ``max_num_batched_tokens`` tokens is computed, the window
+    before it and the whole chunk are held: ``cdiv(sliding_window - 1 +
+    max_num_batched_tokens, tokens_per_block) + 1``, at most the full count (the shape
+    of vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``, the start-up check that the
+    longest request fits). Plus vLLM's null block (id 0) and one block of slack.
+    A geometry below this would make a request wait forever by construction.
     """
     full = _cdiv(max_model_len, tokens_per_block)
-    swa = min(full, _cdiv(sliding_window, tokens_per_block) + 2)
+    swa = min(full, _cdiv(sliding_window - 1 + max_num_batched_tokens, tokens_per_block) + 1)
     return full + swa + 2
 
 
@@ -91,13 +97,13 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None) -> Geometry:
     window_blocks = draw(st.integers(1, 48))
     window_extra = draw(st.sampled_from((0, 0, 0, 1, tokens_per_block // 2)))
     sliding_window = window_blocks * tokens_per_block + window_extra
-    floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len)
-    num_gpu_blocks = floor + draw(st.integers(0, 3 * floor))
-    cpu_chunks = draw(st.integers(1, 96))
     max_num_seqs = draw(st.integers(1, 8))
     max_num_batched_tokens = max(
         max_num_seqs, draw(st.sampled_from((32, 64, 128, 256, 512, 2048)))
     )
+    floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len, max_num_batched_tokens)
+    num_gpu_blocks = floor + draw(st.integers(0, 3 * floor))
+    cpu_chunks = draw(st.integers(1, 96))
     return Geometry(
         tokens_per_block=tokens_per_block,
         tokens_per_chunk=tokens_per_block * blocks_per_chunk,
@@ -195,7 +201,27 @@ def traffic(draw: st.DrawFn, max_model_len: int = MAX_PROMPT_TOKENS + MAX_OUTPUT
                 arrival_step=arrival,
             )
         )
+    if ABORTS:
+        requests = draw(with_aborts(requests))
     return tuple(requests)
+
+
+#: The trace format of this checkout has ``abort_at_step`` (vLLM ``finish_requests``
+#: with ``FINISHED_ABORTED``, what EngineCore does when a client disconnects).
+ABORTS = "abort_at_step" in {f.name for f in dataclasses.fields(TraceRequest)}
+
+
+@st.composite
+def with_aborts(draw: st.DrawFn, requests: list[TraceRequest]) -> list[TraceRequest]:
+    """Aborts: about a quarter of the requests no other request waits for get an
+    ``abort_at_step`` (0..48: queued, prefilling, decoding or storing at that step)."""
+    waited = {w for r in requests for w in r.waits_for}
+    out = []
+    for r in requests:
+        if r.id not in waited and draw(st.integers(0, 3)) == 0:
+            r = dataclasses.replace(r, abort_at_step=draw(st.integers(0, 48)))
+        out.append(r)
+    return out
 
 
 @st.composite
@@ -224,7 +250,7 @@ def not_generated() -> list[dict[str, str]]:
     out = [
         {"field": "external_hit_tokens", "reason": "a driven hit is the replay's fallback, not a natural finding"},
     ]
-    if "abort_at_step" not in req_fields:
+    if not ABORTS:
         out.append({"field": "abort_at_step", "reason": "not in this checkout's trace format"})
     if "extra_retained_tokens" not in geo_fields:
         out.append({"field": "extra_retained_tokens", "reason": "not in this checkout's trace format"})

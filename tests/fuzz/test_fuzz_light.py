@@ -31,10 +31,14 @@ def test_generated_traces_are_valid_and_round_trip(trace):
     assert again == trace  # Trace.dumps -> parse_trace is the identity on generated traces
     geo = trace.geometry
     assert geo.tokens_per_chunk == geo.tokens_per_block * geo.blocks_per_chunk
-    assert geo.num_gpu_blocks >= strategies.min_gpu_blocks(geo.tokens_per_block, geo.sliding_window, geo.max_model_len)
+    assert geo.num_gpu_blocks >= strategies.min_gpu_blocks(
+        geo.tokens_per_block, geo.sliding_window, geo.max_model_len, geo.max_num_batched_tokens
+    )
     for req in trace.requests:
         assert req.external_hit_tokens is None  # never a driven hit
         assert _tokens(trace, req) + req.max_tokens <= geo.max_model_len
+    waited = {w for r in trace.requests for w in r.waits_for}
+    assert all(r.abort_at_step is None for r in trace.requests if r.id in waited)
 
 
 @SETTINGS
@@ -68,7 +72,7 @@ def test_generation_is_deterministic_for_a_seed():
 
 
 def test_strategies_cover_the_geometry_ratios():
-    seen = {"bpc": set(), "unaligned_window": False, "multi_turn": False, "shared_prefix": False}
+    seen = {"bpc": set(), "unaligned_window": False, "multi_turn": False, "shared_prefix": False, "abort": False}
 
     @hseed(3)
     @settings(max_examples=150, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -80,10 +84,11 @@ def test_strategies_cover_the_geometry_ratios():
         seen["multi_turn"] |= any(any(s.output_of for s in r.prompt) for r in trace.requests)
         seeds = [s.seed for r in trace.requests for s in r.prompt[:1] if s.seed is not None]
         seen["shared_prefix"] |= len(seeds) != len(set(seeds))
+        seen["abort"] |= any(r.abort_at_step is not None for r in trace.requests)
 
     look()
     assert seen["bpc"] == set(strategies.BLOCKS_PER_CHUNK)
-    assert seen["unaligned_window"] and seen["multi_turn"] and seen["shared_prefix"]
+    assert seen["unaligned_window"] and seen["multi_turn"] and seen["shared_prefix"] and seen["abort"]
 
 
 # --- class naming ---------------------------------------------------------------------
