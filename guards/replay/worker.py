@@ -205,8 +205,11 @@ class SimulatedWorker:
                 finished_recving.add(job.req_id)
         self.jobs_completed += len(completed)
         if self.oracle is not None:
-            self.oracle.check(scheduler_output)
+            # The forward writes every scheduled token's KV before attention reads (per
+            # layer, for the whole batch), so a prefix hit on a block another request of
+            # the same step computes is valid: write first, then check what is read.
             self._compute(scheduler_output)
+            self.oracle.check(scheduler_output)
             for job_id, src, dst in stores:
                 self.oracle.store(job_id, src, dst)
 
