@@ -160,6 +160,8 @@ class ExampleOutcome:
     error: str | None = None
     error_site: str | None = None
     invalid: str | None = None
+    #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
+    checks_evaluated: int = 0
 
     @property
     def classes(self) -> set[str]:
@@ -205,6 +207,7 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
     )
     guard = bool(result.guard)
     acted = bool(actions)
+    out.checks_evaluated = sum(int(c.get("evaluated") or 0) for c in (result.checks or {}).values())
     if result.guard:
         out.actions = dict(actions)
         if not result.engine_survived:

@@ -262,6 +262,7 @@ def fuzz(
         "invalid_geometries": 0,
         "steps": 0,
         "requests": 0,
+        "checks_evaluated": 0,
         "engine_deaths": 0,
         "kvguard_deaths": 0,
         "requests_lost": 0,
@@ -285,6 +286,7 @@ def fuzz(
         totals["examples"] += 1
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
+        totals["checks_evaluated"] += outcome.checks_evaluated
         totals["engine_deaths"] += int(not outcome.engine_survived)
         totals["kvguard_deaths"] += int(outcome.kvguard_death)
         totals["requests_lost"] += outcome.requests_lost
