@@ -149,6 +149,11 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
     except Exception as exc:
         return ExampleOutcome(invalid=f"{type(exc).__name__}: {exc}"[:300]), None
     model_dir = getattr(engine.scheduler.vllm_config.model_config, "model", None)
+    refusal = startup_refusal(engine)
+    if refusal is not None:
+        if model_dir and "kvguard-replay-model-" in model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+        return ExampleOutcome(invalid=refusal), None
     capture = _Capture(engine, guard)
     try:
         with planted(plant if guard else None):
@@ -158,6 +163,32 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
             shutil.rmtree(model_dir, ignore_errors=True)
     actions = dict(capture.tee.counts) if capture.tee is not None else {}
     return cls.classify(result, capture.frames, actions), result
+
+
+def startup_refusal(engine: Any) -> str | None:
+    """Why vLLM's start-up check would refuse this KV cache, or None.
+
+    vLLM refuses to start when the KV cache cannot hold one request of
+    ``max_model_len`` tokens: the sum over KV cache groups of
+    ``kv_cache_spec.max_memory_usage_bytes(vllm_config)`` (the installed release's own
+    formula; a sliding-window group reserves the window plus the in-flight tokens)
+    must fit. Here all groups share one pool of equal pages, so in GPU blocks:
+    ``sum(cdiv(max_memory_usage_bytes, page_size_bytes)) + 1`` (the null block) must be
+    at most ``num_gpu_blocks``. Such a geometry would make a long request wait forever
+    by construction, so it is not a finding.
+    """
+    sched = engine.scheduler
+    cfg = sched.kv_cache_config
+    try:
+        need = 1
+        for group in cfg.kv_cache_groups:
+            spec = group.kv_cache_spec
+            need += -(-int(spec.max_memory_usage_bytes(sched.vllm_config)) // int(spec.page_size_bytes))
+    except Exception:  # a release without the estimate: nothing to refuse by
+        return None
+    if cfg.num_blocks < need:
+        return f"StartupCheck: {cfg.num_blocks} GPU blocks < {need} that one max_model_len request needs"
+    return None
 
 
 @dataclass

@@ -14,7 +14,8 @@ exactly. The names follow vLLM's terms:
 - :func:`traffic`: requests of one trace: shared prefixes (segments with equal seeds:
   ``random.Random(seed)`` draws tokens sequentially, so a shorter segment with the same
   seed is a prefix of a longer one), multi-turn agents (turn k arrives ``after`` turn k-1
-  and repeats its prompt plus ``output_of`` it), fillers (unrelated prompts that evict
+  and repeats its prompt plus ``output_of`` it; sometimes an *evictor*, a long unrelated
+  prompt, runs between two turns so the next one loads from the CPU tier), fillers (unrelated prompts that evict
   the GPU prefix cache and the CPU tier), long and short prompts, arrival steps, and
   client aborts (``abort_at_step``, :func:`with_aborts`) on requests nobody waits for.
   Preemption comes from :func:`geometry`'s small ``num_gpu_blocks`` and ``max_model_len``.
@@ -64,14 +65,16 @@ def min_gpu_blocks(tokens_per_block: int, sliding_window: int, max_model_len: in
 
     Full attention: ``cdiv(max_model_len, tokens_per_block)``. Sliding window: while a
     prefill chunk of up to ``max_num_batched_tokens`` tokens is computed, the window
-    before it and the whole chunk are held: ``cdiv(sliding_window - 1 +
-    max_num_batched_tokens, tokens_per_block) + 1``, at most the full count (the shape
-    of vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``, the start-up check that the
-    longest request fits). Plus vLLM's null block (id 0) and one block of slack.
-    A geometry below this would make a request wait forever by construction.
+    before it and the chunks in flight are held: ``cdiv(sliding_window - 1 + 2 *
+    max_num_batched_tokens, tokens_per_block) + 1`` (two batches in flight), at most the
+    full count (the shape of vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``, the
+    start-up check that the longest request fits). Plus vLLM's null block (id 0) and one
+    block of slack. This is only the generator's floor: the runner applies the installed
+    release's own check (:func:`kvguard.guards.fuzz.runner.startup_refusal`) and counts a
+    geometry it refuses as invalid, never as a finding.
     """
     full = _cdiv(max_model_len, tokens_per_block)
-    swa = min(full, _cdiv(sliding_window - 1 + max_num_batched_tokens, tokens_per_block) + 1)
+    swa = min(full, _cdiv(sliding_window - 1 + 2 * max_num_batched_tokens, tokens_per_block) + 1)
     return full + swa + 2
 
 
@@ -102,7 +105,12 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None) -> Geometry:
         max_num_seqs, draw(st.sampled_from((32, 64, 128, 256, 512, 2048)))
     )
     floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len, max_num_batched_tokens)
-    num_gpu_blocks = floor + draw(st.integers(0, 3 * floor))
+    # half the examples sit near the floor: requests evict each other's prefix cache
+    # (so later turns load from the CPU tier) and running requests preempt each other
+    if draw(st.booleans()):
+        num_gpu_blocks = floor + draw(st.integers(0, max(1, floor // 4)))
+    else:
+        num_gpu_blocks = floor + draw(st.integers(0, 3 * floor))
     cpu_chunks = draw(st.integers(1, 96))
     return Geometry(
         tokens_per_block=tokens_per_block,
@@ -174,16 +182,29 @@ def traffic(draw: st.DrawFn, max_model_len: int = MAX_PROMPT_TOKENS + MAX_OUTPUT
                     prompt.segments + [Segment(output_of=prev.id), Segment(seed=next(unique), tokens=n)],
                     grow + n,
                 )
+            after = prev.id if prev is not None else None
+            if prev is not None and draw(st.integers(0, 2)) == 0:
+                # an evictor between two turns (a long unrelated prompt): it pushes the
+                # agent's prefix out of the GPU prefix cache, so the next turn loads it
+                # from the CPU tier (the path of #42945, #43884, #48959)
+                evictor = TraceRequest(
+                    id=f"agent-{a}/evictor-{turn}",
+                    prompt=(Segment(seed=next(unique), tokens=draw(st.integers(max(1, limit // 2), limit - MAX_OUTPUT_TOKENS))),),
+                    max_tokens=1,
+                    after=prev.id,
+                )
+                requests.append(evictor)
+                after = evictor.id
             req = TraceRequest(
                 id=f"agent-{a}/turn-{turn}",
                 prompt=tuple(prompt.segments),
                 max_tokens=max_tokens,
-                after=prev.id if prev is not None else None,
+                after=after,
                 arrival_step=arrival if prev is None else 0,
             )
             requests.append(req)
             prev = req
-    for f in range(draw(st.integers(0, 3))):
+    for f in range(draw(st.integers(0, 4))):
         max_tokens = draw(st.integers(1, MAX_OUTPUT_TOKENS))
         n = prompt_tokens(draw, limit - max_tokens)
         after = None

@@ -45,8 +45,9 @@ def test_generated_traces_are_valid_and_round_trip(trace):
 @given(strategies.traces())
 def test_traffic_shares_prefixes_and_chains_turns(trace):
     for req in trace.requests:
-        if req.after is not None and req.id.startswith("agent-"):
-            prev = next(r for r in trace.requests if r.id == req.after)
+        if req.after is not None and "/turn-" in req.id:
+            prev_id = next(s.output_of for s in req.prompt if s.output_of)
+            prev = next(r for r in trace.requests if r.id == prev_id)
             # turn k repeats turn k-1's prompt and reads its output
             assert req.prompt[: len(prev.prompt)] == prev.prompt
             assert Segment(output_of=prev.id) in req.prompt
