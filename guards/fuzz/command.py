@@ -34,6 +34,12 @@ import click
     default=None,
     help="replays each class may spend shrinking (0: keep the first trace) [default: 120]",
 )
+@click.option(
+    "--worker-model/--immediate-worker",
+    default=True,
+    show_default=True,
+    help="draw the simulated worker's latency and failed transfers (where the trace format has them)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -43,6 +49,7 @@ def fuzz(
     policy: str,
     out_dir: str,
     shrink_replays: int | None,
+    worker_model: bool,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -66,6 +73,7 @@ def fuzz(
         out_dir=out_dir,
         shrink_replays=runner.SHRINK_REPLAYS if shrink_replays is None else shrink_replays,
         plant=planted,
+        worker_model=worker_model,
         progress=show,
     )
     show.done()

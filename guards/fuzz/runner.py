@@ -246,11 +246,11 @@ def _replay_summary(result: Any) -> dict[str, Any] | None:
     return out
 
 
-def not_generated() -> list[dict[str, str]]:
+def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
 
-    return strategies.not_generated()
+    return strategies.not_generated(worker_model)
 
 
 def fuzz(
@@ -263,6 +263,7 @@ def fuzz(
     out_dir: str | Path = "fuzz-findings",
     shrink_replays: int = SHRINK_REPLAYS,
     plant: str | None = None,
+    worker_model: bool = True,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
@@ -271,6 +272,8 @@ def fuzz(
     examples; ``budget_s`` bounds exploration wall time instead (examples up to 10**6).
     ``shrink_replays`` bounds replays per class spent shrinking (0: keep the first trace).
     ``plant``: the test-only planted fault (:mod:`.plant`), guard on only.
+    ``worker_model``: draw the worker's latency and failed transfers where the trace
+    format has them (False: every job completes in its step).
     """
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
@@ -350,7 +353,7 @@ def fuzz(
         print_blob=False,
         report_multiple_bugs=False,
     )
-    @given(strategies.traces())
+    @given(strategies.traces(worker_model=worker_model))
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -430,7 +433,8 @@ def fuzz(
         "invalid_reasons": invalid_reasons,
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "classes": out_classes,
-        "not_generated": not_generated(),
+        "worker_model": worker_model and strategies.WORKER,
+        "not_generated": not_generated(worker_model),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),

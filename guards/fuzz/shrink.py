@@ -13,6 +13,7 @@ Hypothesis' shrinker. Why:
   shrinking costs; the moves are deterministic, so the minimal trace is too.
 
 Moves, repeated until none helps (each accepted only when ``predicate(candidate)``):
+the immediate worker instead of a worker model (where the trace has one);
 remove a chunk of requests (halves, then quarters, ..., then one at a time, each with
 its dependents); remove a prompt segment; cut all segments of one seed (a shared
 prefix) and then each segment alone to a half, a quarter...; ``max_tokens`` to 1;
@@ -60,6 +61,10 @@ def _replace_request(trace: Trace, index: int, req: TraceRequest) -> Trace:
 
 def _candidates(trace: Trace) -> Iterator[Trace]:
     reqs = trace.requests
+    # 0. the immediate worker (no latency, no failed transfers), where the format has one
+    model = getattr(trace, "worker", None)
+    if model is not None and not model.is_default:
+        yield dataclasses.replace(trace, worker=type(model)())
     ids = [r.id for r in reqs]
     # 1. remove chunks of requests (ddmin-style: large chunks first)
     n = len(ids)
@@ -119,7 +124,9 @@ def _candidates(trace: Trace) -> Iterator[Trace]:
 def _order(trace: Trace) -> tuple:
     reqs = trace.requests
     aborts = sum(1 for r in reqs if getattr(r, "abort_at_step", None) is not None)
-    return size(trace) + (aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
+    model = getattr(trace, "worker", None)
+    busy_worker = int(model is not None and not model.is_default)
+    return size(trace) + (busy_worker, aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
 
 
 @dataclasses.dataclass
