@@ -172,3 +172,38 @@ def test_shrinker_respects_its_budget_and_keeps_the_class():
     res = shrink.shrink(_trace(), pred, max_replays=3)
     assert res.replays == 3 and res.exhausted
     assert pred(res.trace)
+
+
+# --- CLI (no vLLM here) ---------------------------------------------------------------
+
+def test_cli_refuses_both_budgets_and_needs_vllm(monkeypatch):
+    from click.testing import CliRunner
+
+    from kvguard.guards import instrumentor
+    from kvguard.sidecar.cli import main
+
+    res = CliRunner().invoke(main, ["fuzz", "--examples", "3", "--budget-s", "5"])
+    assert res.exit_code == 2 and "not both" in res.output
+    monkeypatch.setattr(instrumentor, "installed_vllm_version", lambda: None)
+    res = CliRunner().invoke(main, ["fuzz", "--examples", "3"])
+    assert res.exit_code == 2 and "vLLM is not installed" in res.output
+
+
+def test_planted_fault_switch_is_read_only_when_set(monkeypatch):
+    from kvguard.guards.fuzz import plant
+
+    monkeypatch.delenv(plant.ENV, raising=False)
+    assert plant.requested() is None
+    monkeypatch.setenv(plant.ENV, "check")
+    assert plant.requested() == "check"
+    monkeypatch.setenv(plant.ENV, "bogus")
+    try:
+        plant.requested()
+    except ValueError as exc:
+        assert plant.ENV in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("an unknown planted fault must be refused")
+    import pytest
+
+    with pytest.raises(plant.PlantedFault):
+        plant.planted_check("site", True)
