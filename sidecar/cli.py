@@ -8,6 +8,7 @@ dependency only breaks the subcommand that needs it.
 command             module                                         needs
 ==================  =============================================  ==============================
 ``replay``          ``kvguard.guards.replay.command:replay``       vLLM
+``fuzz``            ``kvguard.guards.fuzz.command:fuzz``           vLLM, Hypothesis
 ``check-geometry``  ``kvguard.guards.geometry:check_geometry``     (vLLM optional)
 ``sidecar``         ``kvguard.sidecar.commands:sidecar``           the ``sidecar`` extra
 ``run``             ``kvguard.sidecar.commands:run``               nothing beyond the core
@@ -37,6 +38,7 @@ from kvguard.guards import names  # noqa: E402
 
 _COMMANDS: dict[str, str] = {
     "replay": "kvguard.guards.replay.command:replay",
+    "fuzz": "kvguard.guards.fuzz.command:fuzz",
     "check-geometry": "kvguard.guards.geometry:check_geometry",
     "sidecar": "kvguard.sidecar.commands:sidecar",
     "run": "kvguard.sidecar.commands:run",

@@ -391,9 +391,12 @@ class SimulatedWorker:
                 self.loads.append(rec)
             kv = self._run_connector(scheduler_output, meta)
         if self.oracle is not None:
-            # after this step's submitted stores read and completed loads wrote
-            self.oracle.check(scheduler_output)
+            # The forward writes every scheduled token's KV before attention reads (per
+            # layer, for the whole batch), so a prefix hit on a block another request of
+            # the same step computes is valid: write first, then check what is read
+            # (after this step's submitted stores read and completed loads wrote).
             self._compute(scheduler_output)
+            self.oracle.check(scheduler_output)
         self.step += 1
         worker_meta = kv.get("kv_connector_worker_meta")
         self.jobs_completed += len(getattr(worker_meta, "completed_jobs", None) or ())

@@ -1,0 +1,260 @@
+"""What one fuzz example found, and the stable class name of each finding.
+
+A finding is one of (``kind``):
+
+- ``death``: an exception escaped ``schedule()`` / ``update_from_output()`` (what kills
+  EngineCore in a server, vLLM #48966). Its class is the exception type and the
+  innermost vLLM function it was raised in, with the file path relative to the ``vllm``
+  package and the caller's function (``via``), never a line number, so a class is the
+  same across a release's patch-level line shifts:
+  ``AssertionError in vllm/v1/kv_offload/mediums.py:GPULoadStoreSpec.__init__ via _build_store_jobs``
+  (the qualified name is used where Python 3.11 reports one). When the innermost frame
+  of the traceback is in kvguard's own code the class starts with ``kvguard-raised`` and
+  the finding is a kvguard bug.
+- ``stall``: the replay stopped making progress (``ReplayResult.stalled``); the class is
+  ``stall`` plus the stall kind when the replay names one (``stalls[].kind``).
+- ``wrong-kv``: the KV-content oracle found blocks vLLM treats as computed that do not
+  hold the right tokens (``wrong_kv_blocks``), or the simulated worker received a
+  ``GPULoadStoreSpec`` it cannot execute (``inconsistent_specs``, #42945): served wrong KV
+  is worse than a crash.
+- ``check``: with the guard on, a kvguard check failed and kvguard acted (tolerated,
+  degraded, raised): ``check <check name>``. It names the vLLM bug class kvguard kept
+  from killing the engine, so the guarded report says what kvguard did for it.
+
+:func:`slug` turns a class name into a file name (``<slug>.jsonl``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+KIND_DEATH = "death"
+KIND_STALL = "stall"
+KIND_WRONG_KV = "wrong-kv"
+KIND_CHECK = "check"
+KIND_GUARD_ERROR = "guard-error"
+#: Directory of kvguard's own code (the ``kvguard.guards`` package, editable or installed).
+KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One traceback frame: file path, function (qualified where known), line number."""
+
+    filename: str
+    name: str
+    lineno: int
+
+    @property
+    def vllm_path(self) -> str | None:
+        """Path relative to the ``vllm`` package (``vllm/...``), or None outside vLLM."""
+        path = self.filename.replace("\\", "/")
+        if "/vllm/" not in path or "/kvguard" in path:
+            return None
+        return path[path.rindex("/vllm/") + 1 :]
+
+    @property
+    def in_kvguard(self) -> bool:
+        """True for a frame of kvguard's own code (a file under the ``kvguard.guards`` package)."""
+        return os.path.abspath(self.filename).startswith(KVGUARD_DIR + os.sep)
+
+
+def frames_of(exc: BaseException) -> list[Frame]:
+    """The traceback of ``exc`` as :class:`Frame` objects, outermost first.
+
+    Function names are code objects' qualified names (``GPULoadStoreSpec.__init__``,
+    Python 3.11's ``co_qualname``), so a class names the method, not only ``__init__``.
+    """
+    out = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        out.append(Frame(code.co_filename, getattr(code, "co_qualname", code.co_name), tb.tb_lineno))
+        tb = tb.tb_next
+    return out
+
+
+def _qualname(frame: Frame) -> str:
+    return frame.name
+
+
+def death_class(exc_type: str, frames: list[Frame]) -> tuple[str, bool]:
+    """``(class name, kvguard_raised)`` of an engine death from its traceback frames.
+
+    ``kvguard_raised`` is true when the innermost frame is in kvguard code (kvguard itself
+    raised: a kvguard bug whatever the exception).
+    """
+    if frames and frames[-1].in_kvguard:
+        f = frames[-1]
+        path = f.filename.replace("\\", "/")
+        rel = "guards/" + os.path.relpath(os.path.abspath(f.filename), KVGUARD_DIR).replace(os.sep, "/")
+        return f"kvguard-raised {exc_type} in {rel}:{_qualname(f)}", True
+    vllm_frames = [f for f in frames if f.vllm_path is not None]
+    if not vllm_frames:
+        return f"{exc_type} outside vllm", False
+    inner = vllm_frames[-1]
+    via = next((f.name for f in reversed(vllm_frames[:-1]) if f.name not in (inner.name, "<listcomp>", "<genexpr>")), None)
+    name = f"{exc_type} in {inner.vllm_path}:{_qualname(inner)}"
+    if via:
+        name += f" via {via}"
+    return name, False
+
+
+def death_class_from_site(error: str | None, error_site: str | None) -> str:
+    """Class of a death from ``ReplayResult.error`` / ``error_site`` only (``path:line in func``).
+
+    Used when no traceback was captured (e.g. a report read back from JSON); it lacks the
+    ``via`` part, so :func:`death_class` is preferred.
+    """
+    exc_type = (error or "Exception").split(":", 1)[0].strip() or "Exception"
+    if not error_site:
+        return f"{exc_type} outside vllm"
+    m = re.match(r"^(?P<path>.*?):\d+ in (?P<func>.*)$", error_site)
+    if not m:
+        return f"{exc_type} in {error_site}"
+    return f"{exc_type} in {m['path']}:{m['func']}"
+
+
+def slug(name: str) -> str:
+    """A file-name-safe slug of a class name: lower case ``[a-z0-9._-]``, at most 100 chars.
+
+    File paths are dropped (``vllm/v1/kv_offload/base.py:GPULoadStoreSpec.__init__`` ->
+    ``gpuloadstorespec.init``), so the slug names the exception and the functions:
+    ``assertionerror-in-gpuloadstorespec.init-via-offloadingconnectorscheduler.build_store_jobs``.
+    """
+    s = re.sub(r"[\w./-]*/([\w.]+\.py):", "", name)
+    s = s.replace("__", "").replace("._", ".")
+    s = re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-.").lower()
+    return s[:100].rstrip("-.") or "finding"
+
+
+@dataclass
+class Finding:
+    """One class seen in one example."""
+
+    kind: str
+    name: str
+    #: kvguard itself raised, lost a request or served wrong KV (guard on): the reason, else None
+    kvguard_bug: str | None = None
+    detail: str = ""
+
+
+@dataclass
+class ExampleOutcome:
+    """Everything the runner keeps of one example (a replay)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    steps: int = 0
+    submitted: int = 0
+    finished: int = 0
+    engine_survived: bool = True
+    requests_lost: int = 0
+    wrong_kv_blocks: int = 0
+    kvguard_death: bool = False
+    #: what kvguard did (guard on): action -> count (tolerated, store_dropped, ..., raised)
+    actions: dict[str, int] = field(default_factory=dict)
+    guard_errors: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    error_site: str | None = None
+    invalid: str | None = None
+    #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
+    checks_evaluated: int = 0
+
+    @property
+    def classes(self) -> set[str]:
+        return {f.name for f in self.findings}
+
+
+def _stall_kinds(result: Any) -> list[str]:
+    stalls = getattr(result, "stalls", None) or []
+    kinds = []
+    for s in stalls:
+        kind = s.get("kind") if isinstance(s, dict) else getattr(s, "kind", None)
+        if kind:
+            kinds.append(str(kind))
+    return sorted(set(kinds))
+
+
+def _wrong_kv(result: Any) -> int:
+    value = getattr(result, "wrong_kv_blocks", None)
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, int):
+        return value
+    return 0
+
+
+def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -> ExampleOutcome:
+    """The :class:`ExampleOutcome` of one :class:`~kvguard.guards.replay.harness.ReplayResult`.
+
+    ``frames``: the traceback of the exception that ended the replay (None when it
+    survived or none was captured); ``actions``: kvguard's decisions in this replay
+    (``check:action`` -> count, from the runner's metrics tee; empty without the guard).
+    A request is *lost* when the engine stayed up and the request neither finished nor
+    was aborted by the trace.
+    """
+    out = ExampleOutcome(
+        steps=result.steps,
+        submitted=result.submitted,
+        finished=result.finished,
+        engine_survived=result.engine_survived,
+        guard_errors=dict(result.guard_errors or {}),
+        error=result.error,
+        error_site=result.error_site,
+    )
+    guard = bool(result.guard)
+    acted = bool(actions)
+    out.checks_evaluated = sum(int(c.get("evaluated") or 0) for c in (result.checks or {}).values())
+    if result.guard:
+        out.actions = dict(actions)
+        if not result.engine_survived:
+            out.actions["engine_died"] = 1
+    if not result.engine_survived:
+        exc_type = (result.error or "Exception").split(":", 1)[0].strip() or "Exception"
+        if frames:
+            name, kv_raised = death_class(exc_type, frames)
+        else:
+            name, kv_raised = death_class_from_site(result.error, result.error_site), False
+        out.kvguard_death = guard and kv_raised
+        bug = "kvguard code raised (innermost frame in kvguard)" if out.kvguard_death else None
+        out.findings.append(Finding(KIND_DEATH, name, bug, result.error or ""))
+    elif result.stalled or result.finished + getattr(result, "aborted", 0) < result.submitted:
+        out.requests_lost = result.submitted - result.finished - getattr(result, "aborted", 0)
+        kinds = _stall_kinds(result)
+        name = "stall" + (f" {'+'.join(kinds)}" if kinds else "")
+        bug = None
+        if guard and acted:
+            bug = f"{out.requests_lost} request(s) lost after kvguard acted ({', '.join(sorted(actions))})"
+        out.findings.append(Finding(KIND_STALL, name, bug, f"{result.finished}/{result.submitted} finished"))
+    wrong = _wrong_kv(result)
+    worker = getattr(result, "worker", None)
+    bad_specs = len(getattr(worker, "inconsistent_specs", []) or []) if worker is not None else 0
+    out.wrong_kv_blocks = wrong
+    if wrong:
+        out.findings.append(
+            Finding(KIND_WRONG_KV, "wrong-kv blocks", "served wrong KV with the guard on" if guard else None, f"{wrong} blocks")
+        )
+    if bad_specs:
+        out.findings.append(
+            Finding(
+                KIND_WRONG_KV,
+                "wrong-kv inconsistent GPULoadStoreSpec",
+                "an inconsistent spec reached the worker with the guard on" if guard else None,
+                f"{bad_specs} specs",
+            )
+        )
+    if guard and out.guard_errors:
+        stages = ",".join(sorted(out.guard_errors))
+        out.findings.append(
+            Finding(KIND_GUARD_ERROR, f"kvguard guard_errors {stages}", f"guard_errors {out.guard_errors}", "")
+        )
+    if guard:
+        for key in sorted(actions):
+            check = key.split(":", 1)[0]
+            name = f"check {check}"
+            if name not in out.classes:
+                out.findings.append(Finding(KIND_CHECK, name, None, key))
+    return out

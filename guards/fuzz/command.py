@@ -1,0 +1,89 @@
+"""``kvguard fuzz``: search the installed vLLM's offload scheduler for crash / stall / wrong-KV classes.
+
+Exit status: 0 when no class is a kvguard bug (with ``--no-guard``: always 0 once the run
+completed, findings are vLLM's); 1 when a class is flagged ``kvguard_bug``; 2 for a usage
+error. With ``--json`` stdout carries exactly one JSON object (docs/fuzz.md); progress,
+the final table and vLLM's logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+
+@click.command(name="fuzz")
+@click.option("--budget-s", type=click.FloatRange(min=1), default=None, help="explore for this many seconds (not deterministic)")
+@click.option("--examples", type=click.IntRange(min=1), default=None, help="explore exactly N generated examples [default: 200]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed")
+@click.option("--guard/--no-guard", default=True, show_default=True, help="run with kvguard installed or vLLM alone")
+@click.option(
+    "--policy",
+    type=click.Choice(["observe", "guard", "strict"]),
+    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
+    show_default="guard (or KVGUARD_POLICY)",
+    help="guard policy (ignored with --no-guard)",
+)
+@click.option("--out", "out_dir", default="fuzz-findings", show_default=True, help="directory for <class-slug>.jsonl")
+@click.option(
+    "--shrink-replays",
+    type=click.IntRange(min=0),
+    default=None,
+    help="replays each class may spend shrinking (0: keep the first trace) [default: 120]",
+)
+@click.option(
+    "--worker-model/--immediate-worker",
+    default=True,
+    show_default=True,
+    help="draw the simulated worker's latency and failed transfers (where the trace format has them)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
+def fuzz(
+    budget_s: float | None,
+    examples: int | None,
+    seed: int,
+    guard: bool,
+    policy: str,
+    out_dir: str,
+    shrink_replays: int | None,
+    worker_model: bool,
+    as_json: bool,
+) -> None:
+    """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
+    if budget_s is not None and examples is not None:
+        raise click.UsageError("give --budget-s or --examples, not both")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from kvguard.guards.fuzz import plant, report, runner
+    from kvguard.guards.instrumentor import installed_vllm_version
+
+    if installed_vllm_version() is None:
+        click.echo("kvguard fuzz: vLLM is not installed: run it in a .venvs/vllm-* environment", err=True)
+        sys.exit(2)
+
+    try:
+        planted = plant.requested()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    show = report.Progress(sys.stderr)
+    result = runner.fuzz(
+        seed=seed,
+        examples=examples,
+        budget_s=budget_s,
+        guard=guard,
+        policy=policy,
+        out_dir=out_dir,
+        shrink_replays=runner.SHRINK_REPLAYS if shrink_replays is None else shrink_replays,
+        plant=planted,
+        worker_model=worker_model,
+        progress=show,
+    )
+    show.done()
+    click.echo(report.table(result), err=True)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+    sys.exit(1 if result["kvguard_bugs"] else 0)

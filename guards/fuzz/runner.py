@@ -1,0 +1,441 @@
+"""Run fuzz examples on the installed vLLM's real scheduler, group, shrink and report.
+
+One example = one generated :class:`~kvguard.guards.replay.trace.Trace` replayed by
+:func:`kvguard.guards.replay.harness.run_replay` on a freshly built engine (the real
+``Scheduler`` + ``OffloadingConnector`` in the scheduler role, simulated GPU worker).
+An engine is never reused: a replay leaves requests, prefix-cache and CPU-tier state
+behind, and every example has its own geometry. Building one costs about 10 ms once vLLM
+is imported (measured on vLLM 0.21.0 on this project's 2-core CI machine: 6-9 ms per
+``build_engine`` after a 22 s first import), so it is not the bottleneck.
+
+Exploration is one Hypothesis ``@given`` over :func:`.strategies.traces` with
+``@seed(seed)``, ``database=None``, ``phases=[generate]``, no deadline and a fixed
+``max_examples``: for ``--examples N`` the examples, and so the findings, are the same
+for a given seed and vLLM release. ``--budget-s`` stops the exploration after that many
+seconds, so how many examples run depends on the machine.
+
+Each example's traceback is captured by wrapping the engine's ``schedule``,
+``update_from_output`` and the worker's ``execute`` (instance attributes, vLLM code is
+not changed); kvguard's decisions are read by a tee on kvguard's metrics sink
+(:func:`kvguard.guards.runtime.configure`), one count per ``check:action``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvguard.guards.fuzz import classes as cls
+from kvguard.guards.fuzz.classes import ExampleOutcome, Finding
+from kvguard.guards.fuzz.shrink import shrink, size
+from kvguard.guards.replay.trace import Trace
+
+#: Replays one class may spend on shrinking (default of ``--shrink-replays``).
+SHRINK_REPLAYS = 120
+#: Public issues a class matches, by the vLLM function it died in and the assert text
+#: (see ../shared/research/offload-bug-reports.md). A hint for the reader, never used to
+#: decide what a finding is.
+KNOWN_ISSUES: tuple[tuple[str, str, str], ...] = (
+    ("GPULoadStoreSpec.__init__", "group_sizes", "vLLM #42945 (store group_sizes counts null blocks)"),
+    ("update_state_after_alloc", "num_locally_computed_tokens", "vLLM #43884 / #50454 / PR #52807"),
+    ("update_state_after_alloc", "pending", "vLLM #48959 (SWA pending-block bound)"),
+    ("_build_store_jobs", "offload_keys", "vLLM #49118 / #52170 (keys vs block ids)"),
+    ("_build_store_jobs", "offload_chunk_ids", "vLLM #49118 / #52170 (keys vs block ids)"),
+    ("prepare_store", "KeyError", "vLLM #49635 (store after request finalization)"),
+)
+
+
+def known_issue(name: str, error: str | None) -> str | None:
+    """The public issue a death class matches (by function and assert text), or None."""
+    text = f"{name} {error or ''}"
+    for func, needle, issue in KNOWN_ISSUES:
+        if func in name and needle in text:
+            return issue
+    return None
+
+
+class _ActionTee:
+    """A metrics sink that counts kvguard's decisions (``check:action``) and forwards all calls."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.counts: dict[str, int] = {}
+
+    def tolerated(self, check: str) -> None:
+        key = f"{check}:tolerated"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.inner.tolerated(check)
+
+    def violation(self, check: str, action: str) -> None:
+        key = f"{check}:{action}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.inner.violation(check, action)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _tee() -> _ActionTee:
+    from kvguard.guards import runtime
+
+    current = runtime.configure()["metrics"]
+    if isinstance(current, _ActionTee):
+        current.counts.clear()
+        return current
+    tee = _ActionTee(current)
+    runtime.configure(metrics=tee)
+    return tee
+
+
+class _Capture:
+    """Wraps an engine's step calls to keep the traceback of the exception that ends a replay."""
+
+    def __init__(self, engine: Any, guard: bool):
+        self.frames: list[cls.Frame] | None = None
+        self.tee: _ActionTee | None = None
+        self._guard = guard
+        sched, worker = engine.scheduler, engine.worker
+        sched.schedule = self._wrap(sched.schedule, first=True)
+        sched.update_from_output = self._wrap(sched.update_from_output)
+        worker.execute = self._wrap(worker.execute)
+
+    def _wrap(self, fn: Callable[..., Any], first: bool = False) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if first and self._guard and self.tee is None:
+                self.tee = _tee()  # after run_replay's runtime.reset()/install
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                if self.frames is None:
+                    self.frames = cls.frames_of(exc)
+                raise
+
+        return call
+
+
+def prepare(guard: bool, policy: str) -> None:
+    """Install (or remove) the guard before any engine is built, as the plugin would."""
+    from kvguard.guards.replay import harness
+
+    harness._route_vllm_logs_to_stderr()
+    if guard:
+        from kvguard.guards import runtime
+
+        runtime.reset()
+        harness.install_guard(policy)
+    else:
+        os.environ["KVGUARD_DISABLE"] = "1"
+        harness.uninstall_guard()
+
+
+def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | None = None) -> tuple[ExampleOutcome, Any]:
+    """Replay ``trace`` once on a new engine; ``(outcome, ReplayResult or None)``.
+
+    Never raises for what the engine does; a geometry vLLM rejects at build time is an
+    outcome with ``invalid`` set (not a finding: vLLM refuses it at start-up).
+    """
+    from kvguard.guards.fuzz.plant import planted
+    from kvguard.guards.replay import harness
+
+    try:
+        engine = harness.build_engine(trace.geometry)
+    except Exception as exc:
+        return ExampleOutcome(invalid=f"{type(exc).__name__}: {exc}"[:300]), None
+    model_dir = getattr(engine.scheduler.vllm_config.model_config, "model", None)
+    refusal = startup_refusal(engine)
+    if refusal is not None:
+        if model_dir and "kvguard-replay-model-" in model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+        return ExampleOutcome(invalid=refusal), None
+    capture = _Capture(engine, guard)
+    try:
+        with planted(plant if guard else None):
+            result = harness.run_replay(trace, guard=guard, policy=policy, engine=engine)
+    finally:
+        if model_dir and os.path.isdir(model_dir) and "kvguard-replay-model-" in model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    actions = dict(capture.tee.counts) if capture.tee is not None else {}
+    return cls.classify(result, capture.frames, actions), result
+
+
+def startup_refusal(engine: Any) -> str | None:
+    """Why vLLM's start-up check would refuse this KV cache, or None.
+
+    vLLM refuses to start when the KV cache cannot hold one request of
+    ``max_model_len`` tokens: the sum over KV cache groups of
+    ``kv_cache_spec.max_memory_usage_bytes(vllm_config)`` (the installed release's own
+    formula; a sliding-window group reserves the window plus the in-flight tokens)
+    must fit. Here all groups share one pool of equal pages, so in GPU blocks:
+    ``sum(cdiv(max_memory_usage_bytes, page_size_bytes)) + 1`` (the null block) must be
+    at most ``num_gpu_blocks``. Such a geometry would make a long request wait forever
+    by construction, so it is not a finding.
+    """
+    sched = engine.scheduler
+    cfg = sched.kv_cache_config
+    try:
+        need = 1
+        for group in cfg.kv_cache_groups:
+            spec = group.kv_cache_spec
+            need += -(-int(spec.max_memory_usage_bytes(sched.vllm_config)) // int(spec.page_size_bytes))
+    except Exception:  # a release without the estimate: nothing to refuse by
+        return None
+    if cfg.num_blocks < need:
+        return f"StartupCheck: {cfg.num_blocks} GPU blocks < {need} that one max_model_len request needs"
+    return None
+
+
+@dataclass
+class ClassStats:
+    """Aggregate of one class over the examples that showed it."""
+
+    name: str
+    kind: str
+    count: int = 0
+    first_example: int = -1
+    trace: Trace | None = None
+    kvguard_bug_reasons: set[str] = field(default_factory=set)
+    actions: dict[str, int] = field(default_factory=dict)
+    died: int = 0
+    error: str | None = None
+    error_site: str | None = None
+
+
+def kvguard_did(actions: dict[str, int], died: int, count: int) -> list[str]:
+    """What kvguard did for a class: ``tolerated``, ``degraded``, ``request failed``, ``raised``, ``none``."""
+    out = []
+    acts = {k.split(":", 1)[1] for k in actions if ":" in k}
+    if "tolerated" in acts:
+        out.append("tolerated")
+    if acts & {"store_dropped", "hit_reduced", "continued"}:
+        out.append("degraded")
+    if acts & {"request_failed", "failed_request"}:
+        out.append("request failed")
+    if died or "raised" in acts:
+        out.append("raised")
+    return out or ["none"]
+
+
+def _replay_summary(result: Any) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    checks = {
+        k: {kk: vv for kk, vv in v.items() if vv}
+        for k, v in (result.checks or {}).items()
+        if v.get("tolerated") or v.get("violations") or v.get("evaluated")
+    }
+    out = {
+        "engine_survived": result.engine_survived,
+        "error": result.error,
+        "error_site": result.error_site,
+        "stalled": result.stalled,
+        "requests": {"submitted": result.submitted, "finished": result.finished},
+        "steps": result.steps,
+        "checks": checks,
+        "guard_errors": result.guard_errors,
+    }
+    for extra in ("stalls", "wrong_kv_blocks"):
+        if hasattr(result, extra):
+            out[extra] = getattr(result, extra)
+    return out
+
+
+def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
+    """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
+    from kvguard.guards.fuzz import strategies
+
+    return strategies.not_generated(worker_model)
+
+
+def fuzz(
+    *,
+    seed: int = 0,
+    examples: int | None = None,
+    budget_s: float | None = None,
+    guard: bool = False,
+    policy: str = "guard",
+    out_dir: str | Path = "fuzz-findings",
+    shrink_replays: int = SHRINK_REPLAYS,
+    plant: str | None = None,
+    worker_model: bool = True,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
+
+    ``examples`` (default 200 when ``budget_s`` is None) fixes the number of generated
+    examples; ``budget_s`` bounds exploration wall time instead (examples up to 10**6).
+    ``shrink_replays`` bounds replays per class spent shrinking (0: keep the first trace).
+    ``plant``: the test-only planted fault (:mod:`.plant`), guard on only.
+    ``worker_model``: draw the worker's latency and failed transfers where the trace
+    format has them (False: every job completes in its step).
+    """
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as hseed
+
+    from kvguard.guards.fuzz import strategies
+    from kvguard.guards.replay import harness
+    from kvguard.guards.replay.trace import load_trace
+
+    version = harness.vllm_version()
+    if examples is None and budget_s is None:
+        examples = 200
+    prepare(guard, policy)
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    deadline = t0 + budget_s if budget_s is not None else None
+    stats: dict[str, ClassStats] = {}
+    totals = {
+        "examples": 0,
+        "invalid_geometries": 0,
+        "steps": 0,
+        "requests": 0,
+        "checks_evaluated": 0,
+        "engine_deaths": 0,
+        "kvguard_deaths": 0,
+        "requests_lost": 0,
+        "wrong_kv_blocks": 0,
+        "stalls": 0,
+    }
+    invalid_reasons: dict[str, int] = {}
+
+    class _BudgetSpent(Exception):
+        pass
+
+    def record(trace: Trace) -> None:
+        index = totals["examples"] + totals["invalid_geometries"]
+        trace = dataclasses.replace(trace, name=f"fuzz-seed{seed}-example{index}")
+        outcome, _ = run_example(trace, guard=guard, policy=policy, plant=plant)
+        if outcome.invalid is not None:
+            totals["invalid_geometries"] += 1
+            key = outcome.invalid.split(":", 1)[0]
+            invalid_reasons[key] = invalid_reasons.get(key, 0) + 1
+            return
+        totals["examples"] += 1
+        totals["steps"] += outcome.steps
+        totals["requests"] += outcome.submitted
+        totals["checks_evaluated"] += outcome.checks_evaluated
+        totals["engine_deaths"] += int(not outcome.engine_survived)
+        totals["kvguard_deaths"] += int(outcome.kvguard_death)
+        totals["requests_lost"] += outcome.requests_lost
+        totals["wrong_kv_blocks"] += outcome.wrong_kv_blocks
+        totals["stalls"] += int(any(f.kind == cls.KIND_STALL for f in outcome.findings))
+        for f in outcome.findings:
+            s = stats.get(f.name)
+            if s is None:
+                s = stats[f.name] = ClassStats(f.name, f.kind, first_example=index, trace=trace)
+                s.error, s.error_site = outcome.error, outcome.error_site
+            s.count += 1
+            if f.kvguard_bug:
+                s.kvguard_bug_reasons.add(f.kvguard_bug)
+            for k, v in outcome.actions.items():
+                s.actions[k] = s.actions.get(k, 0) + v
+            s.died += int(not outcome.engine_survived)
+        if progress is not None:
+            progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
+                      "elapsed_s": time.monotonic() - t0})
+
+    @hseed(seed)
+    @settings(
+        max_examples=examples if examples is not None else 10**6,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+    @given(strategies.traces(worker_model=worker_model))
+    def explore(trace: Trace) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise _BudgetSpent
+        record(trace)
+
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr  # vLLM and Hypothesis print nothing on our stdout
+    try:
+        try:
+            explore()
+        except _BudgetSpent:
+            pass
+        explore_s = time.monotonic() - t0
+        out_classes = []
+        for name in sorted(stats):
+            s = stats[name]
+            assert s.trace is not None
+
+            def same_class(t: Trace, name: str = name) -> bool:
+                outcome, _ = run_example(t, guard=guard, policy=policy, plant=plant)
+                return name in outcome.classes
+
+            if progress is not None:
+                progress({"phase": "shrink", "class": name})
+            shrunk = shrink(s.trace, same_class, max_replays=shrink_replays) if shrink_replays > 0 else None
+            minimal = shrunk.trace if shrunk is not None else s.trace
+            file_slug = cls.slug(name)
+            minimal = dataclasses.replace(
+                minimal,
+                name=file_slug,
+                description=(
+                    f"kvguard fuzz finding: {name}. vLLM {version}, seed {seed}, example "
+                    f"{s.first_example}, guard {'on (policy ' + policy + ')' if guard else 'off'}; "
+                    f"shrunk from {size(s.trace)} to {size(minimal)} (requests, prompt tokens, output tokens)."
+                ),
+            )
+            path = out_path / f"{file_slug}.jsonl"
+            path.write_text(minimal.dumps(), encoding="utf-8")
+            # verify: read the file back the way `kvguard replay --trace FILE` does and replay it
+            outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant)
+            bug = sorted(s.kvguard_bug_reasons)
+            out_classes.append(
+                {
+                    "class": name,
+                    "kind": s.kind,
+                    "count": s.count,
+                    "first_example": s.first_example,
+                    "trace": str(path),
+                    "reproduces": name in outcome.classes,
+                    "size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(minimal))),
+                    "found_size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(s.trace))),
+                    "shrink_replays": shrunk.replays if shrunk is not None else 0,
+                    "geometry": vars(minimal.geometry),
+                    "error": s.error,
+                    "error_site": s.error_site,
+                    "known_issue": known_issue(name, s.error),
+                    "kvguard_did": kvguard_did(s.actions, s.died, s.count) if guard else None,
+                    "actions": s.actions if guard else None,
+                    "kvguard_bug": bool(bug),
+                    "kvguard_bug_reasons": bug,
+                    "replay": _replay_summary(result),
+                }
+            )
+    finally:
+        sys.stdout = real_stdout
+    return {
+        "vllm_version": version,
+        "seed": seed,
+        "guard": guard,
+        "policy": policy if guard else None,
+        "planted_fault": plant,
+        "mode": "examples" if budget_s is None else "budget",
+        "max_examples": examples,
+        "budget_s": budget_s,
+        "deterministic": budget_s is None,
+        **totals,
+        "invalid_reasons": invalid_reasons,
+        "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
+        "classes": out_classes,
+        "worker_model": worker_model and strategies.WORKER,
+        "not_generated": not_generated(worker_model),
+        "out_dir": str(out_path),
+        "explore_s": round(explore_s, 2),
+        "wall_s": round(time.monotonic() - t0, 2),
+    }

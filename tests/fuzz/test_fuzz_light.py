@@ -1,0 +1,209 @@
+"""kvguard fuzz without vLLM: the strategies, class naming and the shrinker (light)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hseed
+from hypothesis import strategies as st
+
+from kvguard.guards.fuzz import classes, shrink, strategies
+from kvguard.guards.fuzz.classes import Frame
+from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest, parse_trace
+
+SETTINGS = settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _tokens(trace: Trace, req: TraceRequest) -> int:
+    by_id = {r.id: r for r in trace.requests}
+    total = 0
+    for seg in req.prompt:
+        total += by_id[seg.output_of].max_tokens if seg.output_of else seg.tokens
+    return total
+
+
+@SETTINGS
+@given(strategies.traces())
+def test_generated_traces_are_valid_and_round_trip(trace):
+    trace.geometry.validate()
+    again = parse_trace(trace.dumps().splitlines())
+    assert again == trace  # Trace.dumps -> parse_trace is the identity on generated traces
+    geo = trace.geometry
+    assert geo.tokens_per_chunk == geo.tokens_per_block * geo.blocks_per_chunk
+    assert geo.num_gpu_blocks >= strategies.min_gpu_blocks(
+        geo.tokens_per_block, geo.sliding_window, geo.max_model_len, geo.max_num_batched_tokens
+    )
+    for req in trace.requests:
+        assert req.external_hit_tokens is None  # never a driven hit
+        assert _tokens(trace, req) + req.max_tokens <= geo.max_model_len
+    waited = {w for r in trace.requests for w in r.waits_for}
+    assert all(r.abort_at_step is None for r in trace.requests if r.id in waited)
+
+
+@SETTINGS
+@given(strategies.traces())
+def test_traffic_shares_prefixes_and_chains_turns(trace):
+    for req in trace.requests:
+        if req.after is not None and "/turn-" in req.id:
+            prev_id = next(s.output_of for s in req.prompt if s.output_of)
+            prev = next(r for r in trace.requests if r.id == prev_id)
+            # turn k repeats turn k-1's prompt and reads its output
+            assert req.prompt[: len(prev.prompt)] == prev.prompt
+            assert Segment(output_of=prev.id) in req.prompt
+
+
+def _generate(seed: int, n: int) -> list[str]:
+    out: list[str] = []
+
+    @hseed(seed)
+    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(strategies.traces())
+    def collect(trace):
+        out.append(trace.dumps())
+
+    collect()
+    return out
+
+
+def test_generation_is_deterministic_for_a_seed():
+    a, b, c = _generate(7, 25), _generate(7, 25), _generate(8, 25)
+    assert a == b
+    assert a != c
+
+
+def test_strategies_cover_the_geometry_ratios():
+    seen = {"bpc": set(), "unaligned_window": False, "multi_turn": False, "shared_prefix": False, "abort": False}
+
+    @hseed(3)
+    @settings(max_examples=150, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(strategies.traces())
+    def look(trace):
+        g = trace.geometry
+        seen["bpc"].add(g.blocks_per_chunk)
+        seen["unaligned_window"] |= g.sliding_window % g.tokens_per_block != 0
+        seen["multi_turn"] |= any(any(s.output_of for s in r.prompt) for r in trace.requests)
+        seeds = [s.seed for r in trace.requests for s in r.prompt[:1] if s.seed is not None]
+        seen["shared_prefix"] |= len(seeds) != len(set(seeds))
+        seen["abort"] |= any(r.abort_at_step is not None for r in trace.requests)
+
+    look()
+    assert seen["bpc"] == set(strategies.BLOCKS_PER_CHUNK)
+    assert seen["unaligned_window"] and seen["multi_turn"] and seen["shared_prefix"] and seen["abort"]
+
+
+# --- class naming ---------------------------------------------------------------------
+
+SITE = "/x/site-packages/vllm/v1/kv_offload/base.py"
+SCHED = "/x/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"
+
+
+def test_death_class_drops_line_numbers_and_names_the_caller():
+    frames = [
+        Frame("/work/guards/fuzz/runner.py", "_Capture._wrap.<locals>.call", 10),
+        Frame(SCHED, "OffloadingConnectorScheduler._build_store_jobs", 400),
+        Frame(SITE, "GPULoadStoreSpec.__init__", 267),
+    ]
+    name, kv = classes.death_class("AssertionError", frames)
+    assert name == (
+        "AssertionError in vllm/v1/kv_offload/base.py:GPULoadStoreSpec.__init__"
+        " via OffloadingConnectorScheduler._build_store_jobs"
+    )
+    assert kv is False
+    moved = [dataclasses.replace(f, lineno=f.lineno + 7) for f in frames]
+    assert classes.death_class("AssertionError", moved)[0] == name  # a patch release moves lines
+    assert classes.death_class("KeyError", frames)[0] != name
+
+
+def test_death_in_kvguard_code_is_a_kvguard_class():
+    frames = [Frame(SCHED, "OffloadingConnectorScheduler.update_state_after_alloc", 529),
+              Frame(classes.KVGUARD_DIR + "/runtime.py", "check", 250)]
+    name, kv = classes.death_class("RuntimeError", frames)
+    assert kv is True
+    assert name == "kvguard-raised RuntimeError in guards/runtime.py:check"
+
+
+def test_class_from_error_site_and_slug():
+    assert classes.death_class_from_site(
+        "AssertionError: assert sum(group_sizes) == len(block_ids)", "vllm/v1/kv_offload/base.py:267 in __init__"
+    ) == "AssertionError in vllm/v1/kv_offload/base.py:__init__"
+    s = classes.slug("AssertionError in vllm/v1/kv_offload/base.py:GPULoadStoreSpec.__init__ via X._build_store_jobs")
+    assert s == "assertionerror-in-gpuloadstorespec.init-via-x.build-store-jobs"
+    assert classes.slug("stall") == "stall"
+
+
+# --- shrinker ---------------------------------------------------------------------------
+
+def _trace() -> Trace:
+    reqs = [
+        TraceRequest("a0", (Segment(seed=5, tokens=1000), Segment(seed=1000, tokens=300)), 8),
+        TraceRequest("a1", (Segment(seed=5, tokens=1000), Segment(output_of="a0"), Segment(seed=1001, tokens=50)), 8, after="a0"),
+        TraceRequest("f0", (Segment(seed=1002, tokens=700),), 4, arrival_step=9),
+        TraceRequest("f1", (Segment(seed=1003, tokens=20),), 4, after="a1"),
+    ]
+    return Trace("t", Geometry(), tuple(reqs))
+
+
+def test_without_removes_dependents():
+    t = shrink.without(_trace(), {"a0"})
+    assert [r.id for r in t.requests] == ["f0"]  # a1 waits for a0, f1 for a1
+
+
+def test_shrinker_finds_the_minimal_trace_of_a_synthetic_predicate():
+    calls = []
+
+    def pred(t: Trace) -> bool:  # "some request has >= 33 tokens of seed 5"
+        calls.append(1)
+        return any(s.seed == 5 and s.tokens >= 33 for r in t.requests for s in r.prompt)
+
+    res = shrink.shrink(_trace(), pred, max_replays=500)
+    assert not res.exhausted
+    (req,) = res.trace.requests
+    assert req.prompt == (Segment(seed=5, tokens=33),)
+    assert req.max_tokens == 1 and req.after is None and req.arrival_step == 0
+    assert res.replays == len(calls) <= 500
+    assert pred(res.trace)
+
+
+def test_shrinker_respects_its_budget_and_keeps_the_class():
+    def pred(t: Trace) -> bool:
+        return any(r.id == "f1" for r in t.requests)  # f1 needs a1 needs a0... unless detached
+
+    res = shrink.shrink(_trace(), pred, max_replays=3)
+    assert res.replays == 3 and res.exhausted
+    assert pred(res.trace)
+
+
+# --- CLI (no vLLM here) ---------------------------------------------------------------
+
+def test_cli_refuses_both_budgets_and_needs_vllm(monkeypatch):
+    from click.testing import CliRunner
+
+    from kvguard.guards import instrumentor
+    from kvguard.sidecar.cli import main
+
+    res = CliRunner().invoke(main, ["fuzz", "--examples", "3", "--budget-s", "5"])
+    assert res.exit_code == 2 and "not both" in res.output
+    monkeypatch.setattr(instrumentor, "installed_vllm_version", lambda: None)
+    res = CliRunner().invoke(main, ["fuzz", "--examples", "3"])
+    assert res.exit_code == 2 and "vLLM is not installed" in res.output
+
+
+def test_planted_fault_switch_is_read_only_when_set(monkeypatch):
+    from kvguard.guards.fuzz import plant
+
+    monkeypatch.delenv(plant.ENV, raising=False)
+    assert plant.requested() is None
+    monkeypatch.setenv(plant.ENV, "check")
+    assert plant.requested() == "check"
+    monkeypatch.setenv(plant.ENV, "bogus")
+    try:
+        plant.requested()
+    except ValueError as exc:
+        assert plant.ENV in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("an unknown planted fault must be refused")
+    import pytest
+
+    with pytest.raises(plant.PlantedFault):
+        plant.planted_check("site", True)
