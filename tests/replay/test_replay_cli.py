@@ -190,8 +190,15 @@ def test_guard_counts(trace: str, expected: dict) -> None:
     assert sizes["violations"] == want.group_sizes_violations
     # group sizes and the generic asserts are counted when they fail only ("not counted": null);
     # the window check counts every evaluation (one load per seed-48959 replay, below)
+    # the admission check (issue 9) counts each lookup with a hit it checked; it never
+    # reduces a hit that vLLM's own lookup admitted on the seed traces
+    cover = out["checks"]["load_coverage"]
+    assert isinstance(cover["evaluated"], int)
+    assert cover["hit_reduced"] == 0 and cover["recomputed_tokens"] == 0
     assert {name: c["evaluated"] for name, c in out["checks"].items() if c["evaluated"] is None} == {
-        name: None for name in names.CHECKS if name not in names.EVALUATED_CHECKS
+        name: None
+        for name in names.CHECKS
+        if name not in names.EVALUATED_CHECKS and name != names.CHECK_LOAD_COVERAGE
     }
     assert isinstance(swa["evaluated"], int)
     if trace == "seed-48959":

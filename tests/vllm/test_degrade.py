@@ -72,6 +72,7 @@ def test_49118_without_the_guard(abort_queued):
 def test_49118_with_the_guard_drops_that_store_only(abort_queued):
     r = abort_queued["guard"]
     assert r["ok"] and r["engine_survived"] and not r["stalled"], r["error"]
+    assert r["wrong_kv_blocks"] == 0  # never wrong KV (the replay worker's KV-content oracle)
     assert r["requests"] == {"submitted": 3, "finished": 2, "aborted": 1, "failed": 0, "not_arrived": 0}
     assert "queued" not in r["scheduled"]  # it never ran: the abort hit a queued request
     assert r["pending_store_keys"] == 0 and r["guard_errors"] == {}
@@ -102,6 +103,7 @@ def test_planted_request_assert_without_the_guard_kills_the_engine(planted):
 def test_planted_request_assert_with_the_guard_fails_that_request_alone(planted):
     r = planted["guard"]
     assert r["ok"] and r["engine_survived"] and not r["stalled"], r["error"]
+    assert r["wrong_kv_blocks"] == 0  # never wrong KV (the replay worker's KV-content oracle)
     # first, filler and bystander finish; victim failed; next-turn waited for it
     assert r["requests"] == {"submitted": 4, "finished": 3, "aborted": 0, "failed": 1, "not_arrived": 1}
     (failed,) = r["failed_requests"]

@@ -172,7 +172,7 @@ def test_a_store_that_never_completes_hangs_the_flush_of_its_blocks() -> None:
     assert stall["request_id"] == "filler"
     assert stall["kind"] == "flush_waits_forever"
     assert stall["blocked_by"] == [{"job_id": 0, "request_id": "r0"}]
-    assert out["requests"] == {"submitted": 2, "finished": 1, "aborted": 0}
+    assert out["requests"] == {"submitted": 2, "finished": 1, "aborted": 0, "failed": 0, "not_arrived": 0}
     assert out["pending_store_keys"] > 0  # r0's chunks stay "being written"
 
 
