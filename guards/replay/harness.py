@@ -644,6 +644,10 @@ def run_replay(
         admission.reset()
         result.guard_installed = install_guard(policy)
     else:
+        # vLLM may load general plugins while the engine is built: keep kvguard off for
+        # this replay only (the previous value is restored at the end, so an in-process
+        # caller, e.g. the fuzzer or a test module, is not left with the plugin disabled)
+        previous_disable = os.environ.get("KVGUARD_DISABLE")
         os.environ["KVGUARD_DISABLE"] = "1"
         uninstall_guard()
     if engine is None:
@@ -757,6 +761,11 @@ def run_replay(
         recorder.restore()
         result.outputs = outputs
         result.wall_s = time.perf_counter() - t_start
+        if not guard:
+            if previous_disable is None:
+                os.environ.pop("KVGUARD_DISABLE", None)
+            else:
+                os.environ["KVGUARD_DISABLE"] = previous_disable
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
     if guard:
         from kvguard.guards import runtime

@@ -115,7 +115,12 @@ def test_planted_request_assert_with_the_guard_fails_that_request_alone(planted)
     # its blocks are freed and nothing is left behind
     assert r["left_requests"] == [] and "victim" not in r["req_status_left"]
     assert r["free_blocks"] == r["num_gpu_blocks"] - 1
-    assert r["pending_store_keys"] == 0 and r["guard_errors"] == {}
+    # The planted copy is a second OffloadingConnectorScheduler class whose __init__ kvguard
+    # does not wrap, so on a release that keeps no KV cache spec on the scheduler config
+    # (0.21.0) the admission check cannot plan for it: it says so once (stage admission) and
+    # passes vLLM's answer through. Any other guard error is a defect.
+    assert r["pending_store_keys"] == 0
+    assert r["guard_errors"] in ({}, {"admission": 1}), r["guard_errors"]
     failed_events = [e for e in r["events"] if e["event"] == "check_failed"]
     (event,) = [e for e in failed_events if e["action"] == "request_failed"]
     assert (event["request_id"], event["check"]) == ("victim", "scheduler_assert")

@@ -52,6 +52,20 @@ def _cli_fuzz(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> 
     return res.exit_code, json.loads(line[0])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_plugin_state():
+    """The fuzzer's --no-guard runs set KVGUARD_DISABLE=1 process-wide (as its CLI process
+    wants); later test modules in this process install the guard themselves, so restore
+    the variable and remove the guard after this module."""
+    before = os.environ.get("KVGUARD_DISABLE")
+    yield
+    if before is None:
+        os.environ.pop("KVGUARD_DISABLE", None)
+    else:
+        os.environ["KVGUARD_DISABLE"] = before
+    harness.uninstall_guard()
+
+
 @pytest.fixture(scope="module")
 def search_021(tmp_path_factory):
     if VERSION != "0.21.0":

@@ -148,7 +148,7 @@ def test_load_evicted_window_survives_with_the_guard(monkeypatch):
     result = harness.run_replay(trace, guard=True, policy="guard")
     assert result.ok, result.error
     # never wrong KV: every block vLLM read for a request held that request's tokens
-    assert result.wrong_kv_blocks == 0 and result.worker.oracle.blocks_checked > 0
+    assert result.wrong_kv_blocks == 0 and result.worker.oracle.checked_blocks > 0
     stats = _stats(result)
     assert stats["hit_reduced"] >= 1 and stats["recomputed_tokens"] > 0, stats
     assert result.guard_errors == {}
