@@ -315,10 +315,13 @@ def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
     ]
     if not ABORTS:
         out.append({"field": "abort_at_step", "reason": "not in this checkout's trace format"})
-    if "extra_retained_tokens" not in geo_fields:
-        out.append({"field": "extra_retained_tokens", "reason": "not in this checkout's trace format"})
-    if "kv_cache_groups" not in geo_fields:
-        out.append({"field": "kv_cache_groups", "reason": "trace format has one full + one sliding-window group"})
+    # The trace format has these (issue 9 item 6) but the generator does not draw them yet,
+    # and older releases refuse them: listed, never silently left out.
+    for name in ("extra_retained_tokens", "groups"):
+        why = "not drawn by this generator yet" if name in geo_fields else "not in this checkout's trace format"
+        out.append({"field": name, "reason": why})
+    out.append({"field": "tiering", "reason": "the replay harness builds no secondary tier"})
+    out.append({"field": "async_scheduling", "reason": "the replay harness drives the synchronous scheduler"})
     if WORKER and not worker_model:
         out.append({"field": "worker", "reason": "--immediate-worker: every job completes in its step"})
     elif WORKER:
