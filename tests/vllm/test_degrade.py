@@ -33,7 +33,7 @@ pytestmark = pytest.mark.vllm
 HERE = Path(__file__).parent
 VERSION = installed_vllm_version()
 #: measured with --no-guard on each release (see the module docstring)
-DIES_49118 = {"0.21.0": False, "0.25.1": False, "0.26.0": True, "0.33.0": False}
+DIES_49118 = {"0.21.0": False, "0.25.1": False, "0.26.0": True, "0.29.0": False, "0.33.0": False}  # measured
 SITE_STORE_KEYS = "offloading.scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089"
 
 
