@@ -7,10 +7,19 @@ from typing import IO, Any
 
 
 class Progress:
-    """Callable for :func:`kvguard.guards.fuzz.runner.fuzz`'s ``progress``: one ``\\r`` line, at most 4 a second."""
+    """Callable for :func:`kvguard.guards.fuzz.runner.fuzz`'s ``progress``.
 
-    def __init__(self, stream: IO[str]):
+    On a terminal: one ``\\r`` line rewritten at most 4 times a second. On anything else
+    (a CI log, a pipe, a file) a whole line at most every ``log_interval_s`` seconds:
+    kvguard's and vLLM's JSON log lines share stderr, and a ``\\r`` line left open would
+    glue the next JSON event onto it (no longer one JSON object per line).
+    """
+
+    def __init__(self, stream: IO[str], log_interval_s: float = 10.0):
         self.stream = stream
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty()) if callable(isatty) else False
+        self.interval_s = 0.25 if self.tty else log_interval_s
         self._last = 0.0
         self._open = False
 
@@ -21,19 +30,24 @@ class Progress:
             self.stream.flush()
             return
         now = time.monotonic()
-        if now - self._last < 0.25:
+        if now - self._last < self.interval_s:
             return
         self._last = now
         t = event["totals"]
         found = ", ".join(f"{n} x{c}" for n, c in sorted(event["classes"].items())) or "none"
-        self.stream.write(
-            f"\r  fuzz: {t['examples']} examples, {t['steps']} steps, "
-            f"{event['elapsed_s']:.0f} s; classes: {len(event['classes'])} ({found[:160]})\x1b[K"
+        line = (
+            f"  fuzz: {t['examples']} examples, {t['steps']} steps, "
+            f"{event['elapsed_s']:.0f} s; classes: {len(event['classes'])} ({found[:160]})"
         )
+        if self.tty:
+            self.stream.write(f"\r{line}\x1b[K")
+            self._open = True
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
-        self._open = True
 
     def done(self) -> None:
+        """End an open terminal line (before other output)."""
         if self._open:
             self.stream.write("\n")
             self.stream.flush()

@@ -207,3 +207,42 @@ def test_planted_fault_switch_is_read_only_when_set(monkeypatch):
 
     with pytest.raises(plant.PlantedFault):
         plant.planted_check("site", True)
+
+
+def _progress_event(examples: int) -> dict:
+    return {"totals": {"examples": examples, "steps": 10 * examples}, "classes": {"AssertionError@x": 1}, "elapsed_s": 1.0}
+
+
+def test_progress_off_a_terminal_writes_whole_lines():
+    """Off a terminal (CI logs), progress never leaves a ``\\r`` line open for a JSON log line to glue onto."""
+    import io
+
+    from kvguard.guards.fuzz.report import Progress
+
+    stream = io.StringIO()
+    progress = Progress(stream, log_interval_s=0.0)
+    progress(_progress_event(1))
+    progress(_progress_event(2))
+    text = stream.getvalue()
+    assert "\r" not in text
+    assert text.splitlines() == [
+        "  fuzz: 1 examples, 10 steps, 1 s; classes: 1 (AssertionError@x x1)",
+        "  fuzz: 2 examples, 20 steps, 1 s; classes: 1 (AssertionError@x x1)",
+    ]
+
+
+def test_progress_on_a_terminal_rewrites_one_line():
+    import io
+
+    from kvguard.guards.fuzz.report import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    progress = Progress(stream)
+    progress(_progress_event(1))
+    assert stream.getvalue().startswith("\r  fuzz: 1 examples")
+    progress.done()
+    assert stream.getvalue().endswith("\x1b[K\n")
