@@ -120,3 +120,42 @@ def test_longest_loadable_hit_examples():
     assert longest_loadable_hit(groups, 0, 1001, lambda g, c: True) == 1001
     # a full-attention chunk missing at the start: nothing is loadable
     assert longest_loadable_hit(groups, 0, 1024, lambda g, c: (g, c) != (0, 0)) == 0
+
+
+# -- how the admission wrapper binds vLLM's arguments (kvguard.guards.admission._Binder) --
+class _Lookup:
+    """Stand-ins for the shapes a ``get_num_new_matched_tokens`` may have across releases."""
+
+    def plain(self, request, num_computed_tokens):
+        return None
+
+    def reordered(self, num_computed_tokens, request, extra=0):
+        return None
+
+    def keyword_only(self, request, *, num_computed_tokens):
+        return None
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs"),
+    [
+        ("plain", ("req", 64), {}),
+        ("plain", ("req",), {"num_computed_tokens": 64}),
+        ("plain", (), {"request": "req", "num_computed_tokens": 64}),
+        ("reordered", (64, "req"), {}),
+        ("reordered", (64,), {"request": "req", "extra": 1}),
+        ("keyword_only", ("req",), {"num_computed_tokens": 64}),
+    ],
+)
+def test_binder_reads_request_and_computed_tokens_by_signature(method, args, kwargs):
+    from kvguard.guards.admission import _Binder
+
+    bound_method = getattr(_Lookup(), method)
+    assert _Binder(bound_method).bind(args, kwargs) == ("req", 64)
+
+
+def test_binder_rejects_a_call_that_does_not_bind():
+    from kvguard.guards.admission import _Binder
+
+    with pytest.raises(TypeError):
+        _Binder(_Lookup().plain).bind(("req",), {})
