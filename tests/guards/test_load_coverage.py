@@ -159,3 +159,53 @@ def test_binder_rejects_a_call_that_does_not_bind():
 
     with pytest.raises(TypeError):
         _Binder(_Lookup().plain).bind(("req",), {})
+
+
+# -- readiness of an offload entry (kvguard.guards.admission._span_loadable) ---------------
+class _RefCntEntry:
+    """The shape of vLLM's BlockStatus / ChunkStatus: ready when ref_cnt >= 0."""
+
+    def __init__(self, ref_cnt: int):
+        self.ref_cnt = ref_cnt
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+
+class _FlagEntry:
+    """Another readiness rule: the field alone does not decide (ref_cnt must not be read)."""
+
+    def __init__(self, ready: bool):
+        self.ready = ready
+        self.ref_cnt = 0  # a decoy: reading it instead of is_ready would call this ready
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_ready_rule_is_read_from_the_property_source():
+    from kvguard.guards.admission import _is_ref_cnt_ready
+
+    assert _is_ref_cnt_ready(_RefCntEntry) is True
+    assert _is_ref_cnt_ready(_FlagEntry) is False
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ({}, True),
+        ({"a": _RefCntEntry(0), "b": _RefCntEntry(2)}, True),
+        ({"a": _RefCntEntry(0), "b": _RefCntEntry(-1)}, False),
+        ({"a": _RefCntEntry(0)}, False),  # "b" missing
+        ({"a": _FlagEntry(True), "b": _FlagEntry(True)}, True),
+        ({"a": _FlagEntry(True), "b": _FlagEntry(False)}, False),
+        ({"a": _FlagEntry(False), "b": _FlagEntry(True)}, False),
+    ],
+)
+def test_span_loadable(entries, expected):
+    from kvguard.guards.admission import _span_loadable
+
+    span = ["a", "b"] if entries else []
+    assert _span_loadable(entries.get, span) is expected
