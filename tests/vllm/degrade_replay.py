@@ -16,7 +16,15 @@ Per mode the JSON holds the replay report (``to_json``) plus: ``scheduled`` (req
 that were ever given tokens to compute), ``left_requests`` (ids still in the
 scheduler's ``requests``), ``free_blocks`` / ``num_gpu_blocks`` (block pool at the end),
 ``req_status_left`` (ids the connector scheduler still tracks) and ``events`` (the
-guard's ``check_failed`` / ``store_dropped`` events).
+guard's ``check_failed`` / ``store_dropped`` events), ``outputs`` (per finished request,
+the token ids it generated) and ``allocs`` (per request whose external hit vLLM passed to
+the connector's ``update_state_after_alloc``: ``external_tokens``, the GPU ``block_ids``
+of each KV cache group and ``doubly_held``, the non-null block ids that appear in more
+than one group of that one request: one physical block handed out twice, the #43884
+mechanism) and ``violations`` (the non-zero series of
+``kvguard_invariant_violations_total`` in this process's Prometheus registry after that
+replay, ``[check, action, value]``: what an operator's scrape would show; the process
+starts with ``KVGUARD_STATE_DIR`` unset so the counters live in that registry).
 """
 
 from __future__ import annotations
@@ -51,9 +59,14 @@ def plant(victim: str) -> str:
 
 def replay(trace, guard: bool) -> dict:
     from kvguard.guards import events
-    from kvguard.guards.replay.harness import build_engine, run_replay
+    from kvguard.guards.replay.harness import build_engine, install_guard, run_replay
     from kvguard.guards.replay.report import to_json
 
+    if guard:
+        # as in EngineCore (and harness.run_replay without an engine): the plugin is
+        # installed before the connector is built, so kvguard's admission check is bound
+        # to this engine's connector scheduler (run_replay's own install is then a no-op)
+        install_guard("guard")
     engine = build_engine(trace.geometry)
     scheduled: set[str] = set()
     execute = engine.worker.execute
@@ -63,12 +76,31 @@ def replay(trace, guard: bool) -> dict:
         return execute(sched_out)
 
     engine.worker.execute = recording_execute
+    allocs: dict[str, dict] = {}
+    update_state_after_alloc = engine.connector.update_state_after_alloc
+
+    def recording_update_state_after_alloc(request, blocks, num_external_tokens):
+        if num_external_tokens:
+            per_group = [[b.block_id for b in group if not b.is_null] for group in blocks.blocks]
+            seen = [set(ids) for ids in per_group]
+            allocs[request.request_id] = {
+                "external_tokens": num_external_tokens,
+                "block_ids": per_group,
+                "doubly_held": sorted(
+                    {i for g, ids in enumerate(seen) for i in ids if any(i in o for o in seen[g + 1 :])}
+                ),
+            }
+        return update_state_after_alloc(request, blocks, num_external_tokens)
+
+    engine.connector.update_state_after_alloc = recording_update_state_after_alloc
     with events.capture() as logged:
         result = run_replay(trace, guard=guard, policy="guard", engine=engine)
     report = to_json(result, trace.geometry)
     pool = engine.scheduler.kv_cache_manager.block_pool
     report.update(
         ok=result.ok,
+        outputs=result.outputs,
+        allocs=allocs,
         scheduled=sorted(scheduled),
         left_requests=sorted(engine.scheduler.requests),
         free_blocks=pool.get_num_free_blocks(),
@@ -80,14 +112,32 @@ def replay(trace, guard: bool) -> dict:
             if e.get("event") in ("check_failed", "store_dropped")
         ],
     )
+    report["violations"] = _violations()
     report.pop("worker", None)
     report["loads"] = [ld.req_id for ld in engine.worker.loads]
     report["stores"] = sorted({st.req_id for st in engine.worker.stores})
     return report
 
 
+def _violations() -> list[list]:
+    from prometheus_client import REGISTRY
+
+    from kvguard.guards import names
+
+    return sorted(
+        [s.labels[names.LABEL_CHECK], s.labels[names.LABEL_ACTION], s.value]
+        for metric in REGISTRY.collect()
+        for s in metric.samples
+        if s.name == names.METRIC_INVARIANT_VIOLATIONS and s.value
+    )
+
+
 def main() -> None:
+    import os
+
     from kvguard.guards.replay.trace import load_trace
+
+    os.environ.pop("KVGUARD_STATE_DIR", None)
 
     trace = load_trace(sys.argv[1])
     out: dict = {}

@@ -11,10 +11,20 @@ Each test replays a trace twice in one fresh process (``degrade_replay.py``): vL
   requests and survive; 0.33.0 survives (its store builder uses ``num_computed_tokens``
   for an ``FINISHED_ABORTED`` request, PR #49146; the 0.29.0 source has the same branch,
   not replayed here).
-- request class: ``traces/planted-victim.jsonl`` with an assert planted in a copy of the
-  installed ``update_state_after_alloc`` (the technique of test_sites.py) that fails for
-  request ``victim`` only, after its CPU hit was admitted and before its load is issued.
-  The natural #43884 trace (0.21.0) was not built; see the report of issue 9.
+- request class, natural (vLLM #43884, fixed by PR #44409): ``traces/local-external-43884.jsonl``
+  gives request ``victim`` a local GPU hit of 128 tokens plus a real CPU-tier hit (no
+  driven hit) while the GPU block pool's LRU head holds the sliding-window group's
+  untouched hit blocks. Where the KV cache coordinator allocates one group's external
+  blocks before the next group's local hit blocks are touched (no two-phase allocation,
+  feature-detected below), group 0's external allocation takes group 1's hit blocks (one
+  physical block in both groups of the victim) and ``update_state_after_alloc`` asserts
+  ``num_locally_computed_tokens <= num_locally_computed_gpu_blocks * gpu_block_size``.
+  Measured: 0.21.0 dies so; 0.25.1, 0.26.0 and 0.33.0 (two-phase) survive, the victim
+  loads its hit, and the guard changes no request's outcome.
+- request class, planted: ``traces/planted-victim.jsonl`` with an assert planted in a copy
+  of the installed ``update_state_after_alloc`` (the technique of test_sites.py) that
+  fails for request ``victim`` only, after its CPU hit was admitted and before its load
+  is issued (every release, whether or not it has the natural bug).
 """
 
 from __future__ import annotations
@@ -35,6 +45,25 @@ VERSION = installed_vllm_version()
 #: measured with --no-guard on each release (see the module docstring)
 DIES_49118 = {"0.21.0": False, "0.25.1": False, "0.26.0": True, "0.29.0": False, "0.33.0": False}  # measured
 SITE_STORE_KEYS = "offloading.scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089"
+ASSERT_43884 = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * gpu_block_size"
+
+
+def _two_phase_allocation() -> bool:
+    """True when the installed KV cache manager allocates a new request's blocks in two
+    phases (PR #44409, the #43884 fix): every group's local hit blocks are added before
+    any group's external blocks are allocated, as separate per-group steps
+    (``add_local_computed_blocks`` then ``allocate_external_computed_blocks`` on the
+    single-type managers). Without them (0.21.0) one ``allocate_new_computed_blocks``
+    call per group touches, extends and allocates external blocks in one go."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    return all(
+        callable(getattr(SingleTypeKVCacheManager, name, None))
+        for name in ("add_local_computed_blocks", "allocate_external_computed_blocks")
+    )
+
+
+TWO_PHASE = _two_phase_allocation()
 
 
 def _run(trace: str, *extra: str) -> dict:
@@ -50,6 +79,11 @@ def _run(trace: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def abort_queued():
     return _run("abort-queued-49118.jsonl")
+
+
+@pytest.fixture(scope="module")
+def local_external():
+    return _run("local-external-43884.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +164,68 @@ def test_planted_request_assert_with_the_guard_fails_that_request_alone(planted)
     others = [(e["check"], e["action"], e["request_id"]) for e in failed_events if e is not event]
     expected_others = [("store_keys_consistency", "store_dropped", "victim")] if DIES_49118.get(VERSION) else []
     assert others == expected_others
+
+
+def test_43884_trace_reaches_the_request_class_without_a_driven_hit(local_external):
+    for mode in ("no_guard", "guard"):
+        r = local_external[mode]
+        assert r["driven_hits"] == {}  # the CPU hit is vLLM's own lookup answer
+        (victim,) = [rid for rid in r["allocs"]]  # the only request with an external hit
+        assert victim == "victim"
+        alloc = r["allocs"]["victim"]
+        local = alloc["block_ids"][0][:8]  # 128 local tokens = 8 GPU blocks of 16 tokens
+        assert alloc["external_tokens"] >= 112  # measured: 128 (0.21.0, 0.25.1), 112 (0.33.0)
+        assert len(alloc["block_ids"][0]) == (128 + alloc["external_tokens"]) // 16
+        assert local == list(range(1, 9))  # short's blocks: its group-0 hit of P[:128]
+        if TWO_PHASE:
+            assert alloc["doubly_held"] == []
+        else:
+            # group 0's external blocks are group 1's still untouched hit blocks: one
+            # physical block handed out twice to the victim (measured: 7 of the 8)
+            group1_hit = alloc["block_ids"][1][:8]
+            assert alloc["doubly_held"] and set(alloc["doubly_held"]) <= set(group1_hit)
+            assert set(alloc["doubly_held"]) <= set(alloc["block_ids"][0][8:])
+
+
+def test_43884_without_the_guard(local_external):
+    r = local_external["no_guard"]
+    assert r["wrong_kv_blocks"] == 0
+    if TWO_PHASE:  # fixed upstream: the victim loads its CPU hit and finishes
+        assert r["ok"], r["error"]
+        assert r["requests"] == {"submitted": 5, "finished": 5, "aborted": 0, "failed": 0, "not_arrived": 0}
+        assert "victim" in r["loads"] and len(r["outputs"]["victim"]) == 4
+    else:
+        assert not r["engine_survived"]
+        assert r["error"] == f"AssertionError: assert ( {ASSERT_43884} )"
+        assert r["error_site"].endswith(" in update_state_after_alloc")
+        assert "victim" not in r["loads"]
+
+
+def test_43884_with_the_guard(local_external):
+    plain, r = local_external["no_guard"], local_external["guard"]
+    assert r["ok"] and r["engine_survived"] and not r["stalled"], r["error"]
+    assert r["wrong_kv_blocks"] == 0  # never wrong KV (the replay worker's KV-content oracle)
+    assert r["guard_errors"] == {} and r["pending_store_keys"] == 0
+    # the admission check ran on the victim's hit and admitted it whole (it is loadable)
+    assert r["checks"]["load_coverage"]["evaluated"] >= 1
+    assert r["checks"]["load_coverage"]["hit_reduced"] == 0
+    if TWO_PHASE:  # the guard changes nothing: same outcomes, same tokens, nothing counted
+        assert r["requests"] == plain["requests"] and r["outputs"] == plain["outputs"]
+        assert r["failed_requests"] == [] and r["violations"] == [] and r["events"] == []
+        return
+    # the victim alone is failed; the others finish; nothing is left behind
+    assert r["requests"] == {"submitted": 5, "finished": 4, "aborted": 0, "failed": 1, "not_arrived": 0}
+    (failed,) = r["failed_requests"]
+    assert failed["request_id"] == "victim"
+    assert ASSERT_43884 in failed["error"] and "update_state_after_alloc" in failed["error"]
+    assert sorted(r["outputs"]) == ["bystander", "evictor", "first", "short"]
+    assert {k: r["outputs"][k] for k in plain["outputs"]} == plain["outputs"]  # same tokens as unguarded
+    assert "victim" not in r["scheduled"] and "bystander" in r["scheduled"]
+    assert "victim" not in r["loads"] and "victim" not in r["stores"]
+    assert r["left_requests"] == [] and "victim" not in r["req_status_left"]
+    assert r["free_blocks"] == r["num_gpu_blocks"] - 1  # the doubly held blocks freed once each
+    # the counters say which action was taken (the #42945 store check did not fire here)
+    assert r["violations"] == [["scheduler_assert", "request_failed", 1.0]]
+    (event,) = [e for e in r["events"] if e["event"] == "check_failed"]
+    assert (event["request_id"], event["check"], event["action"]) == ("victim", "scheduler_assert", "request_failed")
+    assert event["site"].startswith("offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:")
