@@ -42,7 +42,7 @@ from typing import Any
 
 from kvguard.guards.replay.jobs import WorkerModel
 from kvguard.guards.replay.stalls import StallWatch
-from kvguard.guards.replay.tiering import TierTap, tiering_manager
+from kvguard.guards.replay.tiering import TierTap, tiering_manager, unlink_shared_region
 from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
 from kvguard.guards.replay.worker import SimulatedWorker, WorkerHang
 
@@ -457,6 +457,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
                 f"vLLM {version}: geometry.secondary_tiers is set but the connector's manager "
                 f"is {type(connector_scheduler.manager).__qualname__}, not a TieringOffloadingManager"
             )
+        unlink_shared_region(manager)  # no worker joins it here (tiering.py)
         tap = TierTap(manager, worker.oracle)
     return Engine(
         scheduler=scheduler,

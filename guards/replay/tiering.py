@@ -230,6 +230,35 @@ class TierTap:
         }
 
 
+def unlink_shared_region(manager: Any) -> list[str]:
+    """Unlink the ``/dev/shm`` files of the CPU tier's scheduler-side shared region.
+
+    vLLM's tiering spec maps the CPU tier through a ``SharedOffloadRegion``
+    (``/dev/shm/vllm_offload_{engine_id}.mmap``) that its workers would join; vLLM unlinks
+    it once every worker has mapped it, or at shutdown. The replay has no worker that
+    joins, and a fuzz run builds thousands of engines, so the files are unlinked right
+    after the engine is built (the mapping stays valid, as after vLLM's own unlink).
+    The region is found by structure: an attribute of ``manager.primary_tier`` with a
+    ``mmap_path`` (its ``_segments`` paths too). Returns the paths unlinked.
+    """
+    import os
+
+    done = []
+    primary = getattr(manager, "primary_tier", None)
+    for region in list(vars(primary).values()) if primary is not None else ():
+        path = getattr(region, "mmap_path", None)
+        if not isinstance(path, str):
+            continue
+        paths = [path] + [seg[0] for seg in getattr(region, "_segments", ())[1:]]
+        for p in paths:
+            try:
+                os.unlink(p)
+                done.append(p)
+            except FileNotFoundError:
+                pass
+    return done
+
+
 def tiering_manager(connector_scheduler: Any) -> Any | None:
     """The connector scheduler's ``TieringOffloadingManager`` (``None`` without tiering)."""
     manager = getattr(connector_scheduler, "manager", None)
