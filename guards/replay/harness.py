@@ -281,11 +281,26 @@ def _cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
 
     vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by every
     layer); 0.33 sums each group's page. Chunks are powers of two, so no alignment
-    padding changes the count.
+    padding changes the count of vLLM's CPU spec (its alignment is 1 on 0.25.1, the page
+    size on 0.33.0; a chunk below 4096 bytes there is not corrected here, see
+    docs/replay.md).
+
+    With ``geometry.secondary_tiers`` the spec is vLLM's ``TieringOffloadingSpec``, whose
+    chunks are padded to its ``BLOCK_SIZE_ALIGNMENT`` (the page size of its shared
+    region: 4096 bytes measured on 0.25.1 and 0.33.0), read from the class
+    (:func:`kvguard.guards.replay.tiering.chunk_alignment`); a chunk smaller than that
+    would otherwise leave fewer than ``cpu_chunks`` chunks (0 for ``cpu_chunks`` 1: vLLM
+    then fails to map an empty region).
     """
     groups = len(geometry.kv_groups())
     per_block = page if "shared_by" in _tensor_fields() else groups * page
-    return geometry.cpu_chunks * per_block * geometry.blocks_per_chunk
+    per_chunk = per_block * geometry.blocks_per_chunk
+    if geometry.secondary_tiers:
+        from kvguard.guards.replay.tiering import chunk_alignment
+
+        align = chunk_alignment()
+        per_chunk = -(-per_chunk // align) * align
+    return geometry.cpu_chunks * per_chunk
 
 
 def _chunk_size_config(geometry: Geometry) -> dict[str, int]:

@@ -98,6 +98,15 @@ def unsupported_reason() -> str | None:
     return None
 
 
+def chunk_alignment() -> int:
+    """Bytes an offloaded chunk of vLLM's ``TieringOffloadingSpec`` is padded to: the
+    class's ``BLOCK_SIZE_ALIGNMENT`` (1 where the class has none)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec_cls = OffloadingSpecFactory._registry[SPEC_NAME]()
+    return int(getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
+
+
 def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, ...]:
     """Parse a trace's ``secondary_tiers``: a list of tier configs ``{"type": "example"}``.
 
