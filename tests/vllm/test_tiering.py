@@ -127,3 +127,21 @@ def test_the_fuzzer_draws_secondary_tiers_only_where_the_release_has_them() -> N
         assert set(first) == {None}
         assert fields["secondary_tiers"] == WHY
     assert "tiering" not in fields
+
+
+LOOP = load_trace(str(Path(__file__).parent / "traces" / "tiering-promotion-loop.jsonl"))
+
+
+@needs_tiering
+def test_the_fuzzers_promotion_loop_finding_replays() -> None:
+    """kvguard fuzz's tiering finding (``make fuzz``, 0.33.0, seed 0): a hit that needs
+    more chunks than the CPU tier holds is promoted and evicted in a loop; the request is
+    deferred forever (stall ``lookup_deferred``). With twice the CPU chunks it finishes."""
+    result = harness.run_replay(LOOP, guard=False)
+    assert result.engine_survived and result.stalled
+    assert [(s["request_id"], s["kind"]) for s in result.stalls] == [("agent-2/turn-3", "lookup_deferred")]
+    tiers = result.secondary_tiers
+    assert tiers["promoted_chunks"] > tiers["cascaded_chunks"]  # the same chunks, again and again
+    assert result.wrong_kv_blocks == 0
+    bigger = dataclasses.replace(LOOP, geometry=dataclasses.replace(LOOP.geometry, cpu_chunks=64))
+    assert harness.run_replay(bigger, guard=False).ok
