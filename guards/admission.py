@@ -163,8 +163,14 @@ def _pure_dict_get(func: Any) -> list[str] | None:
 
 def _policy_reader(manager: Any) -> tuple[Any, str | None]:
     """``(policy, dict attribute or None)``: how to read the manager's cache policy
-    without side effects (see :class:`_Plan`); Unsupported."""
-    for owner in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
+    without side effects (see :class:`_Plan`); Unsupported.
+
+    The owner is the manager, a wrapped one (``backing`` / ``_backing``), or the CPU tier
+    of vLLM's ``TieringOffloadingManager`` (``primary_tier``, 0.25+: a lookup answers a
+    hit only for chunks ready there; a chunk in a secondary tier is promoted first)."""
+    owners = (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None),
+              getattr(manager, "primary_tier", None))
+    for owner in owners:
         if owner is None:
             continue
         candidates = [getattr(owner, "_policy", None)]

@@ -19,6 +19,11 @@ exactly. The names follow vLLM's terms:
   the GPU prefix cache and the CPU tier), long and short prompts, arrival steps, and
   client aborts (``abort_at_step``, :func:`with_aborts`) on requests nobody waits for.
   Preemption comes from :func:`geometry`'s small ``num_gpu_blocks`` and ``max_model_len``.
+- :func:`secondary_tiers`: vLLM's ``kv_connector_extra_config["secondary_tiers"]``, one
+  or two of vLLM's in-memory example tiers below the CPU tier (``TieringOffloadingSpec``),
+  drawn only where the installed release can run them
+  (:func:`kvguard.guards.replay.tiering.unsupported_reason`, detected from its code);
+  elsewhere :func:`not_generated` lists the field with the release's reason.
 - :func:`traces`: a geometry and its traffic, one :class:`Trace`.
 
 Not generated: ``external_hit_tokens`` (a driven hit is the replay's fallback for a
@@ -282,15 +287,52 @@ def worker(draw: st.DrawFn) -> "WorkerModel":
     )
 
 
+def tiering_unsupported() -> str | None:
+    """Why the installed vLLM cannot run ``geometry.secondary_tiers`` (``None``: it can).
+
+    :func:`kvguard.guards.replay.tiering.unsupported_reason`, asked once per process
+    (the answer is the installed release's, so the generator stays deterministic for a
+    seed and release). It imports vLLM's tiering modules, so it is asked when the first
+    trace is drawn, after the fuzz runner installed the guard, not at import.
+    """
+    global _TIERING_WHY
+    if _TIERING_WHY is None:
+        from kvguard.guards.replay.tiering import unsupported_reason
+
+        _TIERING_WHY = (unsupported_reason(),)
+    return _TIERING_WHY[0]
+
+
+_TIERING_WHY: tuple[str | None] | None = None
+
+
+@st.composite
+def secondary_tiers(draw: st.DrawFn) -> tuple[str, ...] | None:
+    """``geometry.secondary_tiers``: ``None`` (CPU tier alone) in about two thirds of the
+    examples, else one or two of vLLM's ``"example"`` tiers (every stored chunk cascades
+    to each; a lookup that misses the CPU tier promotes from the first that holds it).
+    Always ``None`` where :func:`tiering_unsupported` gives a reason (nothing is drawn
+    then, so the other fields' draws are those of a release without tiering)."""
+    if tiering_unsupported() is not None:
+        return None
+    if draw(st.integers(0, 2)):
+        return None
+    return ("example",) * draw(st.integers(1, 2))
+
+
 @st.composite
 def traces(draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True) -> Trace:
-    """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
+    """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``,
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
     true (``kvguard fuzz --immediate-worker`` turns it off: the same examples as on a
-    checkout without the worker model)."""
+    checkout without the worker model), and :func:`secondary_tiers` (drawn last, on a
+    release that has vLLM's tiering)."""
     geo = draw(geometry())
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
+    tiers = draw(secondary_tiers())
+    if tiers is not None:
+        geo = dataclasses.replace(geo, secondary_tiers=tiers)
     return Trace(
         name=name,
         geometry=geo,
@@ -320,7 +362,15 @@ def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
     for name in ("extra_retained_tokens", "groups"):
         why = "not drawn by this generator yet" if name in geo_fields else "not in this checkout's trace format"
         out.append({"field": name, "reason": why})
-    out.append({"field": "tiering", "reason": "the replay harness builds no secondary tier"})
+    why = tiering_unsupported()
+    if why is not None:
+        out.append({"field": "secondary_tiers", "reason": why})
+    else:
+        out.append({
+            "field": "secondary_tiers[].type",
+            "reason": "only vLLM's in-memory 'example' tier is drawn (fs, p2p, obj and kvcr "
+                      "need a file system, peers or an object store)",
+        })
     out.append({"field": "async_scheduling", "reason": "the replay harness drives the synchronous scheduler"})
     if WORKER and not worker_model:
         out.append({"field": "worker", "reason": "--immediate-worker: every job completes in its step"})

@@ -8,6 +8,9 @@ What is real and what is simulated:
   ``kv_transfer_config`` (``kv_connector="OffloadingConnector"``, scheduler role) with
   vLLM's own CPU offloading spec and manager (``cpu_bytes_to_use``, LRU), the
   ``VllmConfig`` built from a tiny local ``config.json`` (no hub, ``skip_tokenizer_init``);
+  with a trace's ``geometry.secondary_tiers``, vLLM's ``TieringOffloadingSpec`` instead:
+  its ``TieringOffloadingManager`` over the same CPU tier plus vLLM's in-memory example
+  secondary tier (:mod:`kvguard.guards.replay.tiering`);
 - simulated: the GPU side (:class:`kvguard.guards.replay.worker.SimulatedWorker`).
 
 The guard is installed through the plugin's own entry point,
@@ -39,6 +42,7 @@ from typing import Any
 
 from kvguard.guards.replay.jobs import WorkerModel
 from kvguard.guards.replay.stalls import StallWatch
+from kvguard.guards.replay.tiering import TierTap, tiering_manager, unlink_shared_region
 from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
 from kvguard.guards.replay.worker import SimulatedWorker, WorkerHang
 
@@ -94,6 +98,9 @@ class ReplayResult:
     worker: SimulatedWorker | None = None
     cpu_chunks: int | None = None
     pending_store_keys: int | None = None
+    #: with ``geometry.secondary_tiers``: :meth:`TierTap.summary` (chunks cascaded to and
+    #: promoted from the secondary tiers); ``None`` without a secondary tier
+    secondary_tiers: dict[str, int] | None = None
 
     @property
     def wrong_kv_blocks(self) -> int:
@@ -274,11 +281,26 @@ def _cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
 
     vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by every
     layer); 0.33 sums each group's page. Chunks are powers of two, so no alignment
-    padding changes the count.
+    padding changes the count of vLLM's CPU spec (its alignment is 1 on 0.25.1, the page
+    size on 0.33.0; a chunk below 4096 bytes there is not corrected here, see
+    docs/replay.md).
+
+    With ``geometry.secondary_tiers`` the spec is vLLM's ``TieringOffloadingSpec``, whose
+    chunks are padded to its ``BLOCK_SIZE_ALIGNMENT`` (the page size of its shared
+    region: 4096 bytes measured on 0.25.1 and 0.33.0), read from the class
+    (:func:`kvguard.guards.replay.tiering.chunk_alignment`); a chunk smaller than that
+    would otherwise leave fewer than ``cpu_chunks`` chunks (0 for ``cpu_chunks`` 1: vLLM
+    then fails to map an empty region).
     """
     groups = len(geometry.kv_groups())
     per_block = page if "shared_by" in _tensor_fields() else groups * page
-    return geometry.cpu_chunks * per_block * geometry.blocks_per_chunk
+    per_chunk = per_block * geometry.blocks_per_chunk
+    if geometry.secondary_tiers:
+        from kvguard.guards.replay.tiering import chunk_alignment
+
+        align = chunk_alignment()
+        per_chunk = -(-per_chunk // align) * align
+    return geometry.cpu_chunks * per_chunk
 
 
 def _chunk_size_config(geometry: Geometry) -> dict[str, int]:
@@ -329,6 +351,8 @@ class Engine:
     geometry: Geometry
     version: str
     block_hasher: Callable[[Any], Any]
+    #: the secondary tiers' tap (``geometry.secondary_tiers``), else ``None``
+    tier_tap: TierTap | None = None
 
 
 def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
@@ -338,8 +362,14 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
     completes, successfully, in the step it is submitted).
 
     Raises whatever vLLM raises for a geometry it rejects (e.g. a chunk size that is not
-    a multiple of the GPU block size).
+    a multiple of the GPU block size), and
+    :class:`~kvguard.guards.replay.tiering.TieringUnsupported` (a ``RuntimeError``) for
+    ``geometry.secondary_tiers`` on a release without vLLM's tiering (before anything
+    is built).
     """
+    from kvguard.guards.replay import tiering
+
+    tier_config = tiering.extra_config(geometry.secondary_tiers)
     _route_vllm_logs_to_stderr()
     from vllm.config import (
         CacheConfig,
@@ -383,6 +413,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         kv_connector_extra_config={
             **_chunk_size_config(geometry),
             "cpu_bytes_to_use": _cpu_bytes_to_use(geometry, page),
+            **tier_config,
         },
     )
     vllm_config = VllmConfig(
@@ -433,6 +464,16 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         model=worker_model or WorkerModel(),
         blocks_per_chunk=geometry.blocks_per_chunk,
     )
+    tap = None
+    if geometry.secondary_tiers:
+        manager = tiering_manager(connector_scheduler)
+        if manager is None:
+            raise RuntimeError(
+                f"vLLM {version}: geometry.secondary_tiers is set but the connector's manager "
+                f"is {type(connector_scheduler.manager).__qualname__}, not a TieringOffloadingManager"
+            )
+        unlink_shared_region(manager)  # no worker joins it here (tiering.py)
+        tap = TierTap(manager, worker.oracle)
     return Engine(
         scheduler=scheduler,
         connector=connector,
@@ -441,14 +482,23 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         geometry=geometry,
         version=version,
         block_hasher=get_request_block_hasher(hash_block_size, hash_fn),
+        tier_tap=tap,
+    )
+
+
+def _cpu_managers(manager: Any) -> tuple[Any, ...]:
+    """The objects that may hold the CPU tier's state: the manager, a wrapped one
+    (``backing`` / ``_backing``) and a tiering manager's CPU tier (``primary_tier``)."""
+    return tuple(
+        o for o in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None),
+                    getattr(manager, "primary_tier", None))
+        if o is not None
     )
 
 
 def _cpu_capacity(connector_scheduler: Any) -> int | None:
     manager = connector_scheduler.manager
-    for obj in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
-        if obj is None:
-            continue
+    for obj in _cpu_managers(manager):
         for attr in ("_num_blocks", "num_blocks", "_num_chunks", "num_chunks"):
             value = getattr(obj, attr, None)
             if isinstance(value, int):
@@ -464,9 +514,7 @@ def _pending_store_keys(connector_scheduler: Any) -> int | None:
     deferred forever. ``None`` when this vLLM's manager exposes neither layout.
     """
     manager = connector_scheduler.manager
-    for obj in (manager, getattr(manager, "backing", None), getattr(manager, "_backing", None)):
-        if obj is None:
-            continue
+    for obj in _cpu_managers(manager):
         counter = getattr(obj, "_num_write_pending_chunks", None)  # vLLM >= 0.3x
         if isinstance(counter, int):
             return counter
@@ -767,6 +815,8 @@ def run_replay(
             else:
                 os.environ["KVGUARD_DISABLE"] = previous_disable
     result.pending_store_keys = _pending_store_keys(engine.connector_scheduler)
+    if engine.tier_tap is not None:
+        result.secondary_tiers = engine.tier_tap.summary()
     if guard:
         from kvguard.guards import runtime
         from kvguard.guards.instrumentor import OffloadGuardInstrumentor

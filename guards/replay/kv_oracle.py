@@ -43,6 +43,17 @@ job latency, issue 10, calls the same hooks at other times; each hook is self-co
   "NOTE(orozery)" in 0.21.0 and 0.33.0), i.e. after this step's forward and before the
   next step's loads: the simulated worker calls it after :meth:`computed_range`.
 
+Secondary tier (trace ``geometry.secondary_tiers``, :mod:`kvguard.guards.replay.tiering`):
+vLLM's example tier keeps only the presence of an offload key, so the oracle keeps the
+data: :meth:`secondary_store` (at the tier's ``submit_store``, a cascade of CPU slot ``c``
+for key ``k``) copies slot ``c``'s fingerprints, every group's, under ``(tier, k)``;
+:meth:`secondary_load` (at ``submit_load``, a promotion of ``k`` into CPU slot ``c``)
+writes them back into slot ``c``. A promotion of a key never cascaded clears slot ``c``
+(its GPU load then reads never-written slots: a wrong-KV finding, not a silent pass).
+What the oracle cannot see there: a tier that would hold *different* bytes than it was
+given (vLLM's example tier holds none; its behaviour is only presence), and an eviction
+inside the tier (the example tier never evicts).
+
 GPU <-> CPU mapping, exactly that of vLLM's ``transfer_async``
 (``vllm/v1/kv_offload/cpu/gpu_worker.py``, the same loop in 0.21.0 and 0.33.0; the
 factor is ``block_size_factor`` in 0.21 and ``blocks_per_chunk`` in 0.33): for spec group
@@ -173,6 +184,9 @@ class KVOracle:
     checks: int = 0
     stored_blocks: int = 0
     loaded_blocks: int = 0
+    #: chunks copied CPU -> secondary tier / secondary tier -> CPU (:meth:`secondary_store`)
+    secondary_stored_chunks: int = 0
+    secondary_loaded_chunks: int = 0
     #: transfer jobs vLLM's own worker loop would assert on (nothing copied)
     rejected_jobs: list[dict[str, Any]] = field(default_factory=list)
 
@@ -192,6 +206,8 @@ class KVOracle:
                 np.zeros((self.num_gpu_blocks, g.tokens_per_block), np.int64) for g in self.groups
             ]
         self._cpu: dict[tuple[int, int], np.ndarray] = {}
+        #: (tier, offload key) -> per group, the fingerprints of the cascaded CPU slot
+        self._secondary: dict[tuple[int, Any], list[np.ndarray | None]] = {}
         self._codes: dict[str, np.ndarray] = {}
         self._seen: set[tuple[str, int, int]] = set()
 
@@ -333,6 +349,33 @@ class KVOracle:
         self.stored_blocks += copied
         return copied
 
+    def _slot_groups(self) -> range:
+        return range(1 if self.shared_pages else len(self.groups))
+
+    def secondary_store(self, tier: int, key: Any, cpu_block: int) -> None:
+        """Secondary tier ``tier`` copies CPU slot ``cpu_block`` (every group) for ``key``."""
+        snap = []
+        for g in self._slot_groups():
+            arr = self._cpu.get((g, int(cpu_block)))
+            snap.append(None if arr is None else arr.copy())
+        self._secondary[(int(tier), key)] = snap
+        self.secondary_stored_chunks += 1
+
+    def secondary_load(self, tier: int, key: Any, cpu_block: int) -> bool:
+        """Secondary tier ``tier`` writes ``key``'s copy into CPU slot ``cpu_block``.
+
+        Returns False (and clears the slot: it reads as never written) when ``key`` was
+        never cascaded to that tier."""
+        snap = self._secondary.get((int(tier), key))
+        self.secondary_loaded_chunks += 1
+        for i, g in enumerate(self._slot_groups()):
+            arr = None if snap is None else snap[i]
+            if arr is None:
+                self._cpu.pop((g, int(cpu_block)), None)
+            else:
+                self._cpu[(g, int(cpu_block))] = arr.copy()
+        return snap is not None
+
     def load(self, job_id: int, cpu_spec: Any, gpu_spec: Any) -> int:
         """Copy a load job's CPU chunks into its GPU blocks; returns GPU blocks copied.
 
@@ -444,5 +487,7 @@ class KVOracle:
             "stored_blocks": self.stored_blocks,
             "loaded_blocks": self.loaded_blocks,
             "rejected_jobs": list(self.rejected_jobs),
+            "secondary_stored_chunks": self.secondary_stored_chunks,
+            "secondary_loaded_chunks": self.secondary_loaded_chunks,
             "shared_pages": self.shared_pages,
         }

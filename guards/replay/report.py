@@ -25,7 +25,14 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
                            "group_sizes": [3063, 129], "block_indices": [0, 2934],
                            "swa_window": {"expected_blocks": 129, "spec_blocks": 129,
                                          "lost": 0, "added": 0}}]},
-     "cpu_chunks": 2048, "pending_store_keys": 0}
+     "cpu_chunks": 2048, "pending_store_keys": 0,
+     "secondary_tiers": null}
+
+``secondary_tiers`` (a trace with ``geometry.secondary_tiers``, else ``null``):
+``{"tiers", "cascaded_chunks", "promoted_chunks", "promoted_unknown"}``, offloaded chunks
+vLLM's tiering manager handed to the secondary tiers' ``submit_store`` (CPU -> tier) and
+``submit_load`` (tier -> CPU), and promoted chunks the KV-content oracle had never seen
+cascaded (:mod:`kvguard.guards.replay.tiering`).
 
 ``wrong_kv_blocks`` counts distinct (request, KV cache group, block index) that the
 KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) found holding KV other than the
@@ -167,6 +174,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         },
         "cpu_chunks": result.cpu_chunks,
         "pending_store_keys": result.pending_store_keys,
+        "secondary_tiers": result.secondary_tiers,
     }
 
 
@@ -222,6 +230,13 @@ def to_text(report: dict[str, Any]) -> str:
                 f"            {off['request_id']} group {off['group']} block {off['block_index']}"
                 f" (GPU block {off['gpu_block_id']}): {off['what']}"
             )
+    tiers = report.get("secondary_tiers")
+    if tiers:
+        lines.append(
+            f"  tiering:  {tiers['tiers']} secondary tier(s): {tiers['cascaded_chunks']} chunks "
+            f"cascaded, {tiers['promoted_chunks']} promoted to the CPU tier "
+            f"({tiers['promoted_unknown']} never cascaded)"
+        )
     bad = report["worker"]["inconsistent_specs"]
     lines.append(f"  worker:   {report['worker']['jobs_completed']} transfer jobs done, "
                  f"{len(bad)} inconsistent specs received")

@@ -44,6 +44,20 @@ Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups
   ``block_size`` there requires one block size for all groups); a release without that
   key raises ``RuntimeError``. ``num_gpu_blocks`` is shared by all groups.
 
+- ``secondary_tiers`` (issue 10): vLLM's ``TieringOffloadingSpec`` key of
+  ``kv_connector_extra_config``, a list of secondary tier configs below the CPU tier::
+
+      "secondary_tiers": [{"type": "example"}]
+
+  Set, the harness runs the real ``OffloadingConnector`` with ``spec_name =
+  "TieringOffloadingSpec"``: vLLM's ``TieringOffloadingManager`` over the CPU tier
+  (``cpu_chunks``) plus one secondary tier per entry. The only ``type`` is ``"example"``,
+  vLLM's in-memory ``ExampleSecondaryTierManager`` (unbounded; it holds presence, the
+  KV-content oracle holds the data: :mod:`kvguard.guards.replay.tiering`). A release
+  without vLLM's tiering package (0.21.0, measured) raises
+  :class:`~kvguard.guards.replay.tiering.TieringUnsupported` (a ``RuntimeError``) naming
+  the field, the release and the reason.
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.guards.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -175,7 +189,7 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 
 
 #: Geometry fields that are not positive ints (validated on their own).
-_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups")
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers")
 
 
 @dataclass(frozen=True)
@@ -195,6 +209,8 @@ class Geometry:
     extra_retained_tokens: int = 0
     #: explicit KV cache groups (``None``: full attention + one sliding window)
     groups: tuple[GroupGeometry, ...] | None = None
+    #: secondary tier types below the CPU tier (``None``: the CPU tier alone)
+    secondary_tiers: tuple[str, ...] | None = None
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -215,6 +231,8 @@ class Geometry:
             out["extra_retained_tokens"] = self.extra_retained_tokens
         if self.groups is not None:
             out["groups"] = [g.to_json() for g in self.groups]
+        if self.secondary_tiers is not None:
+            out["secondary_tiers"] = [{"type": t} for t in self.secondary_tiers]
         return out
 
     @property
@@ -238,6 +256,13 @@ class Geometry:
                 raise TraceError("geometry: with groups, set extra_retained_tokens per group")
             if not self.groups:
                 raise TraceError("geometry.groups must list at least one group")
+        if self.secondary_tiers is not None:
+            from kvguard.guards.replay.tiering import validate_tiers
+
+            try:
+                validate_tiers([{"type": t} for t in self.secondary_tiers])
+            except ValueError as exc:
+                raise TraceError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -411,6 +436,13 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
             raise TraceError(f"{source}: geometry.groups must be a list")
         tpb = geo.get("tokens_per_block", Geometry.tokens_per_block)
         geo["groups"] = tuple(_parse_group(g, i, tpb) for i, g in enumerate(groups))
+    if "secondary_tiers" in geo:
+        from kvguard.guards.replay.tiering import validate_tiers
+
+        try:
+            geo["secondary_tiers"] = validate_tiers(geo["secondary_tiers"])
+        except ValueError as exc:
+            raise TraceError(f"{source}: {exc}") from None
     try:
         geometry = Geometry(**geo)
     except TypeError as exc:

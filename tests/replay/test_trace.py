@@ -147,3 +147,46 @@ def test_no_request_may_depend_on_an_aborted_one(dependent) -> None:
         parse_trace(_lines(HEADER, _req("a", abort_at_step=0), _req("b", **dependent)))
     # the same dependency on a request that is not aborted is fine
     parse_trace(_lines(HEADER, _req("a"), _req("b", **dependent)))
+
+
+def _tiered(tiers) -> dict:
+    return {**HEADER, "geometry": {**HEADER["geometry"], "secondary_tiers": tiers}}
+
+
+def test_secondary_tiers_parse_and_round_trip() -> None:
+    trace = parse_trace(_lines(_tiered([{"type": "example"}, {"type": "example"}]), _req("a")))
+    assert trace.geometry.secondary_tiers == ("example", "example")
+    assert trace.geometry.to_json()["secondary_tiers"] == [{"type": "example"}] * 2
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    plain = parse_trace(_lines(HEADER, _req("a")))
+    assert plain.geometry.secondary_tiers is None
+    assert "secondary_tiers" not in plain.geometry.to_json()
+
+
+@pytest.mark.parametrize(
+    "tiers, message",
+    [
+        ([], "non-empty list"),
+        ({"type": "example"}, "non-empty list"),
+        (["example"], r"secondary_tiers\[0\] must be an object"),
+        ([{"type": "fs"}], "must be one of .'example',."),
+        ([{"type": "example", "custom_param": 3}], "unknown fields .'custom_param'."),
+    ],
+)
+def test_bad_secondary_tiers_are_rejected(tiers, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        parse_trace(_lines(_tiered(tiers), _req("a")))
+
+
+def test_secondary_tiers_without_vllm_name_the_field_and_reason() -> None:
+    """In an environment without vLLM the tiering check refuses with the reason."""
+    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.replay import tiering
+
+    if installed_vllm_version() is not None:
+        pytest.skip("vLLM is installed here: tests/vllm/test_tiering.py covers the release")
+
+    assert tiering.unsupported_reason() == "vLLM is not installed"
+    with pytest.raises(tiering.TieringUnsupported, match="geometry.secondary_tiers.*vLLM is not installed"):
+        tiering.extra_config(("example",))
+    assert tiering.extra_config(None) == {}

@@ -1,0 +1,276 @@
+"""A secondary tier in the replay: vLLM's ``TieringOffloadingManager`` over the CPU tier.
+
+A trace's ``geometry.secondary_tiers`` (vLLM's own ``kv_connector_extra_config`` key of
+``TieringOffloadingSpec``, ``vllm/v1/kv_offload/tiering/spec.py``) makes the harness
+configure the real ``OffloadingConnector`` with ``spec_name="TieringOffloadingSpec"``
+and those tiers. vLLM then builds, in the scheduler role, a ``TieringOffloadingManager``
+whose primary tier is its CPU manager (``CPUPrimaryTierOffloadingManager``, the same LRU
+and ``cpu_bytes_to_use`` as without tiering) and whose secondary tiers come from its
+``SecondaryTierFactory``. Every chunk stored to the CPU tier is cascaded to every
+secondary tier (``complete_store`` -> ``submit_store``); a lookup that misses the CPU tier
+and hits a secondary tier starts a promotion (``submit_load`` into a CPU slot, lookup
+answers "retry later"), and the next lookup finds the chunk in the CPU tier and loads it
+to the GPU as any other CPU hit.
+
+The only tier type the harness accepts is ``"example"``: vLLM's
+``ExampleSecondaryTierManager`` (``tiering/example/manager.py``), an in-memory tier that
+vLLM ships "for testing the TieringOffloadingManager". It keeps only the *presence* of a
+key (``chunks[key] = True``) and completes every job at submit; it copies no bytes.
+The other built-in tiers (``fs``, ``p2p``, ``obj``, ``kvcr``) need a file system, peers or
+an object store and are rejected by :func:`validate_tiers`.
+
+The hardware boundary is simulated exactly where the example tier skips it: a real tier
+copies ``primary_kv_view[chunk_id]`` into its store at ``submit_store`` and back into
+``primary_kv_view[chunk_id]`` at ``submit_load``. :class:`TierTap` wraps each tier
+instance's ``submit_store`` / ``submit_load`` (instance attributes; vLLM's methods run
+unchanged) and does that copy on the KV-content oracle's fingerprints
+(:meth:`kvguard.guards.replay.kv_oracle.KVOracle.secondary_store` /
+:meth:`~kvguard.guards.replay.kv_oracle.KVOracle.secondary_load`), so a chunk promoted
+into a CPU slot that held other KV is checked against what was cascaded for its key.
+
+Feature detection (no version table): the release must have vLLM's tiering spec
+registered in ``OffloadingSpecFactory`` and the ``example`` tier in
+``SecondaryTierFactory``, and its tier jobs must name their CPU slots (``chunk_ids`` or
+``block_ids``). Measured: present on 0.25.1 and 0.33.0 (``block_ids`` / ``chunk_ids``),
+absent on 0.21.0 (no ``vllm.v1.kv_offload.tiering`` package); 0.26.0 and 0.29.0 not
+measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvguard.guards.replay.kv_oracle import KVOracle
+
+#: The trace geometry field (vLLM's ``kv_connector_extra_config`` key).
+FIELD = "secondary_tiers"
+#: ``OffloadingSpecFactory`` name of vLLM's tiering spec.
+SPEC_NAME = "TieringOffloadingSpec"
+#: Secondary tier types the replay can run (module docstring).
+TIER_TYPES = ("example",)
+
+
+class TieringUnsupported(RuntimeError):
+    """The installed vLLM cannot run a trace's ``secondary_tiers`` (message says why)."""
+
+
+def unsupported_reason() -> str | None:
+    """Why the installed vLLM cannot run ``secondary_tiers``; ``None`` when it can.
+
+    Detected from the release's code: ``TieringOffloadingSpec`` registered in
+    ``OffloadingSpecFactory``, ``"example"`` registered in ``SecondaryTierFactory``, and
+    the tier job dataclass (``TransferJob`` 0.33 / ``JobMetadata`` 0.25) has a
+    ``chunk_ids`` or ``block_ids`` field. Without vLLM: "vLLM is not installed".
+    """
+    import dataclasses
+    import importlib.util
+
+    from kvguard.guards.instrumentor import installed_vllm_version
+
+    if installed_vllm_version() is None:  # distribution metadata, not an importable "vllm"
+        return "vLLM is not installed"
+    try:
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None:
+            return "this release has no vllm.v1.kv_offload.tiering package"
+    except (ImportError, ValueError) as exc:
+        return f"vllm.v1.kv_offload.tiering cannot be imported ({exc})"
+    try:
+        from vllm.v1.kv_offload import factory as spec_factory
+        from vllm.v1.kv_offload.tiering import base
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError as exc:
+        return f"vLLM's tiering modules cannot be imported ({exc})"
+    registry = getattr(spec_factory.OffloadingSpecFactory, "_registry", {})
+    if SPEC_NAME not in registry:
+        return f"OffloadingSpecFactory has no {SPEC_NAME!r}"
+    tiers = getattr(SecondaryTierFactory, "_registry", {})
+    missing = [t for t in TIER_TYPES if t not in tiers]
+    if missing:
+        return f"SecondaryTierFactory has no tier type {missing}"
+    job_cls = getattr(base, "TransferJob", None) or getattr(base, "JobMetadata", None)
+    if job_cls is None or not dataclasses.is_dataclass(job_cls):
+        return "the tiering base module has no TransferJob / JobMetadata dataclass"
+    names = {f.name for f in dataclasses.fields(job_cls)}
+    if not names & {"chunk_ids", "block_ids"}:
+        return f"{job_cls.__name__} names no CPU slots (no chunk_ids / block_ids field)"
+    return None
+
+
+def chunk_alignment() -> int:
+    """Bytes an offloaded chunk of vLLM's ``TieringOffloadingSpec`` is padded to: the
+    class's ``BLOCK_SIZE_ALIGNMENT`` (1 where the class has none)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec_cls = OffloadingSpecFactory._registry[SPEC_NAME]()
+    return int(getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
+
+
+def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, ...]:
+    """Parse a trace's ``secondary_tiers``: a list of tier configs ``{"type": "example"}``.
+
+    Returns the tier types, in order (one tier per entry; :func:`extra_config` turns them
+    back into vLLM's tier configs).
+
+    Raises:
+        ValueError: not a non-empty list of objects, a ``type`` other than
+            :data:`TIER_TYPES`, or a key other than ``type`` (the example tier's
+            ``custom_param`` changes nothing the replay sees, so it is not accepted).
+    """
+    if not isinstance(tiers, (list, tuple)) or not tiers:
+        raise ValueError(f"{where} must be a non-empty list of tier configs")
+    out = []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict):
+            raise ValueError(f"{where}[{i}] must be an object")
+        if tier.get("type") not in TIER_TYPES:
+            raise ValueError(
+                f"{where}[{i}].type must be one of {TIER_TYPES} (the replay runs vLLM's "
+                f"in-memory example tier only), got {tier.get('type')!r}"
+            )
+        unknown = set(tier) - {"type"}
+        if unknown:
+            raise ValueError(f"{where}[{i}]: unknown fields {sorted(unknown)}")
+        out.append(tier["type"])
+    return tuple(out)
+
+
+def extra_config(tiers: tuple[str, ...] | None) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` keys for tier types ``tiers`` (empty for ``None``):
+    ``spec_name`` and ``secondary_tiers`` (one ``{"type": ...}`` config per tier).
+
+    Raises:
+        TieringUnsupported: ``tiers`` on a release :func:`unsupported_reason` refuses;
+            the message names the field, the release and the reason.
+    """
+    if not tiers:
+        return {}
+    why = unsupported_reason()
+    if why is not None:
+        from kvguard.guards.instrumentor import installed_vllm_version
+
+        raise TieringUnsupported(
+            f"vLLM {installed_vllm_version() or '(none)'}: a trace cannot set geometry.{FIELD} on this "
+            f"release: {why}"
+        )
+    return {"spec_name": SPEC_NAME, FIELD: [{"type": t} for t in tiers]}
+
+
+def _slots(job: Any) -> list[int]:
+    """CPU slot ids of a tier job (``chunk_ids`` 0.33, ``block_ids`` 0.25)."""
+    ids = getattr(job, "chunk_ids", None)
+    if ids is None:
+        ids = job.block_ids
+    return [int(x) for x in ids]
+
+
+@dataclass
+class TierTap:
+    """The copy a real secondary tier does, on the oracle, around vLLM's tier methods.
+
+    ``manager``: the scheduler-role connector's ``TieringOffloadingManager`` (its
+    ``secondary_tiers``). ``oracle``: the worker's KV-content oracle, or ``None`` (then
+    only the counters run). Counts are in offloaded chunks (one per ``OffloadKey``).
+
+    The copy is done *before* vLLM's method runs: at ``submit_store`` the CPU slots are
+    pinned and complete (``complete_store`` cascades after the GPU->CPU store
+    completed); at ``submit_load`` the slots are freshly allocated and not readable
+    until the promotion completes. A promotion of a key the tap never saw cascaded (a
+    chunk the tier holds without the oracle knowing its KV) clears the slot's
+    fingerprint, so a GPU load from it is a wrong-KV finding, never a silent pass.
+    """
+
+    manager: Any
+    oracle: KVOracle | None = None
+    #: chunks cascaded CPU -> secondary (``submit_store`` keys), all tiers
+    cascaded_chunks: int = 0
+    #: chunks promoted secondary -> CPU (``submit_load`` keys), all tiers
+    promoted_chunks: int = 0
+    #: promoted chunks whose key this tap never saw cascaded (their slot reads as unwritten)
+    promoted_unknown: int = 0
+    _restore: list[tuple[Any, str]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        for index, tier in enumerate(getattr(self.manager, "secondary_tiers", None) or ()):
+            self._wrap(index, tier)
+
+    @property
+    def tiers(self) -> int:
+        """Secondary tiers tapped."""
+        return len({id(t) for t, _ in self._restore})
+
+    def _wrap(self, index: int, tier: Any) -> None:
+        store, load = tier.submit_store, tier.submit_load
+
+        def submit_store(job: Any) -> Any:
+            keys = list(job.keys)
+            self.cascaded_chunks += len(keys)
+            if self.oracle is not None:
+                for key, slot in zip(keys, _slots(job)):
+                    self.oracle.secondary_store(index, key, slot)
+            return store(job)
+
+        def submit_load(job: Any) -> Any:
+            keys = list(job.keys)
+            self.promoted_chunks += len(keys)
+            if self.oracle is not None:
+                for key, slot in zip(keys, _slots(job)):
+                    if not self.oracle.secondary_load(index, key, slot):
+                        self.promoted_unknown += 1
+            return load(job)
+
+        tier.submit_store = submit_store
+        tier.submit_load = submit_load
+        self._restore += [(tier, "submit_store"), (tier, "submit_load")]
+
+    def restore(self) -> None:
+        """Drop the wrappers (the tiers' own methods are used again)."""
+        for tier, name in self._restore:
+            tier.__dict__.pop(name, None)
+
+    def summary(self) -> dict[str, int]:
+        """The report's ``secondary_tiers`` object (counts in offloaded chunks)."""
+        return {
+            "tiers": self.tiers,
+            "cascaded_chunks": self.cascaded_chunks,
+            "promoted_chunks": self.promoted_chunks,
+            "promoted_unknown": self.promoted_unknown,
+        }
+
+
+def unlink_shared_region(manager: Any) -> list[str]:
+    """Unlink the ``/dev/shm`` files of the CPU tier's scheduler-side shared region.
+
+    vLLM's tiering spec maps the CPU tier through a ``SharedOffloadRegion``
+    (``/dev/shm/vllm_offload_{engine_id}.mmap``) that its workers would join; vLLM unlinks
+    it once every worker has mapped it, or at shutdown. The replay has no worker that
+    joins, and a fuzz run builds thousands of engines, so the files are unlinked right
+    after the engine is built (the mapping stays valid, as after vLLM's own unlink).
+    The region is found by structure: an attribute of ``manager.primary_tier`` with a
+    ``mmap_path`` (its ``_segments`` paths too). Returns the paths unlinked.
+    """
+    import os
+
+    done = []
+    primary = getattr(manager, "primary_tier", None)
+    for region in list(vars(primary).values()) if primary is not None else ():
+        path = getattr(region, "mmap_path", None)
+        if not isinstance(path, str):
+            continue
+        paths = [path] + [seg[0] for seg in getattr(region, "_segments", ())[1:]]
+        for p in paths:
+            try:
+                os.unlink(p)
+                done.append(p)
+            except FileNotFoundError:
+                pass
+    return done
+
+
+def tiering_manager(connector_scheduler: Any) -> Any | None:
+    """The connector scheduler's ``TieringOffloadingManager`` (``None`` without tiering)."""
+    manager = getattr(connector_scheduler, "manager", None)
+    if manager is not None and hasattr(manager, "secondary_tiers") and hasattr(manager, "primary_tier"):
+        return manager
+    return None
