@@ -21,6 +21,10 @@ submission order, which is what vLLM 0.21.0's CPU<->GPU handler does
 (``SingleDirectionOffloadingHandler``: each transfer waits for the previous one's end event,
 ``get_finished`` pops them in order, always ``success=True``); the duplicate ids are in the
 job when the real scheduler-role connector builds it, before any worker sees it.
+
+Measured: 0.21.0 dies, 0.25.1 and 0.33.0 finish all 3 requests. On a release not
+measured (0.26.0, 0.29.0) only the law is checked: the engine dies exactly when a store job
+lists a window block id twice.
 """
 
 from __future__ import annotations
@@ -66,8 +70,6 @@ def replay():
 
 def test_the_store_job_lists_stale_window_block_ids_twice_exactly_where_vllm_dies(replay):
     outcome, result = replay
-    if VERSION not in DIES_42761:
-        pytest.skip(f"the #42761 trace is measured on {sorted(DIES_42761)}; installed {VERSION}")
     worker = result.worker
     (sw,) = _sliding_window_groups(worker.scheduler)
     # store specs as vLLM's worker-role connector received them from the real scheduler
@@ -75,7 +77,11 @@ def test_the_store_job_lists_stale_window_block_ids_twice_exactly_where_vllm_die
         rec.job_id: _duplicated(rec.group_block_ids(sw)) for rec in worker.stores
         if _duplicated(rec.group_block_ids(sw))
     }
-    assert (not result.engine_survived) == bool(dup_jobs) == DIES_42761[VERSION]
+    # on any release: the engine dies exactly when a store lists a window block id twice
+    assert (not result.engine_survived) == bool(dup_jobs), (result.error, dup_jobs)
+    if VERSION not in DIES_42761:
+        return  # not measured: only the law above is checked (0.26.0, 0.29.0)
+    assert bool(dup_jobs) == DIES_42761[VERSION]
     if DIES_42761[VERSION]:
         assert CLASS in outcome.classes
         assert result.error.startswith("KeyError: ")
