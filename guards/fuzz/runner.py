@@ -10,9 +10,11 @@ is imported (measured on vLLM 0.21.0 on this project's 2-core CI machine: 6-9 ms
 
 Exploration is one Hypothesis ``@given`` over :func:`.strategies.traces` with
 ``@seed(seed)``, ``database=None``, ``phases=[generate]``, no deadline and a fixed
-``max_examples``: for ``--examples N`` the examples, and so the findings, are the same
-for a given seed and vLLM release. ``--budget-s`` stops the exploration after that many
-seconds, so how many examples run depends on the machine.
+``max_examples``, and Hypothesis' local-constants pool pinned empty
+(:mod:`.determinism`: otherwise the examples depend on which local modules the process
+imported before): for ``--examples N`` the examples, and so the findings, are the same
+for a given seed and vLLM release, in a fresh or a used process. ``--budget-s`` stops the
+exploration after that many seconds, so how many examples run depends on the machine.
 
 Each example's traceback is captured by wrapping the engine's ``schedule``,
 ``update_from_output`` and the worker's ``execute`` (instance attributes, vLLM code is
@@ -34,6 +36,7 @@ from typing import Any
 
 from kvguard.guards.fuzz import classes as cls
 from kvguard.guards.fuzz.classes import ExampleOutcome, Finding
+from kvguard.guards.fuzz.determinism import PINNED, pinned_constants
 from kvguard.guards.fuzz.shrink import shrink, size
 from kvguard.guards.replay.trace import Trace
 
@@ -49,6 +52,11 @@ KNOWN_ISSUES: tuple[tuple[str, str, str], ...] = (
     ("_build_store_jobs", "offload_keys", "vLLM #49118 / #52170 (keys vs block ids)"),
     ("_build_store_jobs", "offload_chunk_ids", "vLLM #49118 / #52170 (keys vs block ids)"),
     ("prepare_store", "KeyError", "vLLM #49635 (store after request finalization)"),
+    (
+        "_remove_pending_job",
+        "KeyError",
+        "vLLM #42761 (a store lists stale sliding-window block ids twice; fixed by PR #42959)",
+    ),
 )
 
 
@@ -253,6 +261,60 @@ def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
     return strategies.not_generated(worker_model)
 
 
+def explorer(seed: int, max_examples: int, worker_model: bool) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
+    """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
+
+    ``@seed(seed)``, no example database, only the generate phase, no deadline, at most
+    ``max_examples`` examples of :func:`.strategies.traces` (``worker_model`` as there),
+    no health check, quiet. The decorated ``body`` is called once per generated trace.
+    Call the result inside :func:`.determinism.pinned_constants` for examples that do
+    not depend on the process's imports.
+    """
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as hseed
+
+    from kvguard.guards.fuzz import strategies
+
+    def wrap(body: Callable[[Trace], None]) -> Callable[[], None]:
+        return hseed(seed)(
+            settings(
+                max_examples=max_examples,
+                database=None,
+                deadline=None,
+                derandomize=False,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+                verbosity=Verbosity.quiet,
+                print_blob=False,
+                report_multiple_bugs=False,
+            )(given(strategies.traces(worker_model=worker_model))(body))
+        )
+
+    return wrap
+
+
+def generate(seed: int, examples: int, *, worker_model: bool = True, pin: bool = True) -> list[Trace]:
+    """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
+
+    The same sequence :func:`fuzz` replays (a geometry vLLM refuses is an example to
+    Hypothesis in both: it never sees the replay's verdict), before :func:`fuzz` renames
+    each trace ``fuzz-seed<seed>-example<i>``. ``pin=False``
+    leaves Hypothesis' local-constants pool as the process has it (the behaviour before
+    :mod:`.determinism`; for the negative control of the determinism test).
+    """
+    import contextlib
+
+    out: list[Trace] = []
+
+    @explorer(seed, examples, worker_model)
+    def body(trace: Trace) -> None:
+        out.append(trace)
+
+    with pinned_constants() if pin else contextlib.nullcontext():
+        body()
+    return out
+
+
 def fuzz(
     *,
     seed: int = 0,
@@ -275,9 +337,6 @@ def fuzz(
     ``worker_model``: draw the worker's latency and failed transfers where the trace
     format has them (False: every job completes in its step).
     """
-    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-    from hypothesis import seed as hseed
-
     from kvguard.guards.fuzz import strategies
     from kvguard.guards.replay import harness
     from kvguard.guards.replay.trace import load_trace
@@ -341,19 +400,7 @@ def fuzz(
             progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
                       "elapsed_s": time.monotonic() - t0})
 
-    @hseed(seed)
-    @settings(
-        max_examples=examples if examples is not None else 10**6,
-        database=None,
-        deadline=None,
-        derandomize=False,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        print_blob=False,
-        report_multiple_bugs=False,
-    )
-    @given(strategies.traces(worker_model=worker_model))
+    @explorer(seed, examples if examples is not None else 10**6, worker_model)
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -362,10 +409,12 @@ def fuzz(
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # vLLM and Hypothesis print nothing on our stdout
     try:
-        try:
-            explore()
-        except _BudgetSpent:
-            pass
+        # the examples of a seed must not depend on what this process imported before
+        with pinned_constants() as generation:
+            try:
+                explore()
+            except _BudgetSpent:
+                pass
         explore_s = time.monotonic() - t0
         out_classes = []
         for name in sorted(stats):
@@ -428,7 +477,8 @@ def fuzz(
         "mode": "examples" if budget_s is None else "budget",
         "max_examples": examples,
         "budget_s": budget_s,
-        "deterministic": budget_s is None,
+        "deterministic": budget_s is None and generation == PINNED,
+        "generation": generation,
         **totals,
         "invalid_reasons": invalid_reasons,
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
