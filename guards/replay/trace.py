@@ -44,6 +44,16 @@ Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups
   ``block_size`` there requires one block size for all groups); a release without that
   key raises ``RuntimeError``. ``num_gpu_blocks`` is shared by all groups.
 
+Optional geometry field ``async_scheduling`` (bool, default false; vLLM's
+``SchedulerConfig.async_scheduling``, ``--async-scheduling``): the harness builds the
+scheduler class vLLM's ``SchedulerConfig.get_scheduler_cls()`` gives for it (the real
+``AsyncScheduler``) and steps it as ``EngineCore.step_with_batch_queue`` does with a batch
+queue of depth 2: step N+1 is scheduled and handed to the worker before step N's output
+reaches ``update_from_output`` (output placeholders, ``num_output_placeholders``;
+:mod:`kvguard.guards.replay.batch_queue`). A release whose code lacks what that needs
+(``AsyncScheduler``, the config field, output placeholders) raises ``RuntimeError``
+naming the field and release, as ``groups`` does where a release cannot express it.
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.guards.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -175,7 +185,7 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 
 
 #: Geometry fields that are not positive ints (validated on their own).
-_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups")
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "async_scheduling")
 
 
 @dataclass(frozen=True)
@@ -195,6 +205,9 @@ class Geometry:
     extra_retained_tokens: int = 0
     #: explicit KV cache groups (``None``: full attention + one sliding window)
     groups: tuple[GroupGeometry, ...] | None = None
+    #: vLLM's ``SchedulerConfig.async_scheduling``: drive ``AsyncScheduler`` through a
+    #: batch queue of depth 2 (``EngineCore.step_with_batch_queue``; see batch_queue.py)
+    async_scheduling: bool = False
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -215,6 +228,8 @@ class Geometry:
             out["extra_retained_tokens"] = self.extra_retained_tokens
         if self.groups is not None:
             out["groups"] = [g.to_json() for g in self.groups]
+        if self.async_scheduling:
+            out["async_scheduling"] = True
         return out
 
     @property
@@ -233,6 +248,8 @@ class Geometry:
             raise TraceError("geometry.tokens_per_chunk must be a multiple of tokens_per_block")
         if not isinstance(self.extra_retained_tokens, int) or self.extra_retained_tokens < 0:
             raise TraceError("geometry.extra_retained_tokens must be a non-negative int")
+        if not isinstance(self.async_scheduling, bool):
+            raise TraceError("geometry.async_scheduling must be true or false")
         if self.groups is not None:
             if self.extra_retained_tokens:
                 raise TraceError("geometry: with groups, set extra_retained_tokens per group")

@@ -147,3 +147,21 @@ def test_no_request_may_depend_on_an_aborted_one(dependent) -> None:
         parse_trace(_lines(HEADER, _req("a", abort_at_step=0), _req("b", **dependent)))
     # the same dependency on a request that is not aborted is fine
     parse_trace(_lines(HEADER, _req("a"), _req("b", **dependent)))
+
+
+def test_async_scheduling_parses_round_trips_and_defaults_to_false() -> None:
+    geo = {**HEADER["geometry"], "async_scheduling": True}
+    trace = parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))
+    assert trace.geometry.async_scheduling is True
+    assert json.loads(trace.dumps().splitlines()[0])["geometry"]["async_scheduling"] is True
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    plain = parse_trace(_lines(HEADER, _req("a")))
+    assert plain.geometry.async_scheduling is False
+    assert "async_scheduling" not in json.loads(plain.dumps().splitlines()[0])["geometry"]
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_async_scheduling_must_be_a_bool(bad) -> None:
+    geo = {**HEADER["geometry"], "async_scheduling": bad}
+    with pytest.raises(TraceError, match="geometry.async_scheduling must be true or false"):
+        parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))
