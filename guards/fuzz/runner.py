@@ -246,11 +246,11 @@ def _replay_summary(result: Any) -> dict[str, Any] | None:
     return out
 
 
-def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
+def not_generated(worker_model: bool = True, async_scheduling: bool = True) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
 
-    return strategies.not_generated(worker_model)
+    return strategies.not_generated(worker_model, async_scheduling)
 
 
 def fuzz(
@@ -265,6 +265,7 @@ def fuzz(
     plant: str | None = None,
     worker_model: bool = True,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    async_scheduling: bool = True,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -274,6 +275,8 @@ def fuzz(
     ``plant``: the test-only planted fault (:mod:`.plant`), guard on only.
     ``worker_model``: draw the worker's latency and failed transfers where the trace
     format has them (False: every job completes in its step).
+    ``async_scheduling``: draw ``geometry.async_scheduling`` where the release supports it
+    (False: vLLM's synchronous ``Scheduler`` only, the examples of a checkout without it).
     """
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
@@ -302,6 +305,8 @@ def fuzz(
         "requests_lost": 0,
         "wrong_kv_blocks": 0,
         "stalls": 0,
+        # examples replayed with geometry.async_scheduling (AsyncScheduler, batch queue 2)
+        "async_scheduling_examples": 0,
     }
     invalid_reasons: dict[str, int] = {}
 
@@ -318,6 +323,7 @@ def fuzz(
             invalid_reasons[key] = invalid_reasons.get(key, 0) + 1
             return
         totals["examples"] += 1
+        totals["async_scheduling_examples"] += int(getattr(trace.geometry, "async_scheduling", False))
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
         totals["checks_evaluated"] += outcome.checks_evaluated
@@ -353,7 +359,7 @@ def fuzz(
         print_blob=False,
         report_multiple_bugs=False,
     )
-    @given(strategies.traces(worker_model=worker_model))
+    @given(strategies.traces(worker_model=worker_model, async_scheduling=async_scheduling))
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -434,7 +440,8 @@ def fuzz(
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,
-        "not_generated": not_generated(worker_model),
+        "async_scheduling": async_scheduling and strategies.async_scheduling_unsupported() is None,
+        "not_generated": not_generated(worker_model, async_scheduling),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),

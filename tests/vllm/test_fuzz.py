@@ -77,9 +77,11 @@ def search_021(tmp_path_factory):
     # process, after other vLLM test modules (tests/sidecar/test_fatal.py), the same seed
     # generated other examples (measured once in a CI rehearsal: only the #42945 class);
     # the fuzzer's determinism is per fresh process for a seed and release.
-    # --immediate-worker: the same examples whether or not the checkout has the worker model
+    # --immediate-worker: the same examples whether or not the checkout has the worker model;
+    # --sync-scheduling: the same examples as before geometry.async_scheduling was drawn
     proc = subprocess.run(
         [str(KVGUARD), "fuzz", "--out", str(out), "--json", "--no-guard", "--immediate-worker",
+         "--sync-scheduling",
          "--seed", "0", "--examples", "300", "--shrink-replays", "60"],
         capture_output=True, text=True, timeout=900,
     )
