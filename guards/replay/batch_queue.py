@@ -35,6 +35,7 @@ busy. The harness calls ``schedule()`` on every step, as its synchronous path do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,8 +98,9 @@ def queue_depth(vllm_config: Any) -> int:
     """EngineCore's batch queue size for ``vllm_config`` (number of steps in flight).
 
     vLLM 0.25.1 and 0.33.0: ``VllmConfig.max_concurrent_batches``; 0.21.0 asks the
-    executor (``UniProcExecutor.max_concurrent_batches``, read from the class's own
-    property with this config's ``scheduler_config`` and ``parallel_config``). 2 with
+    executor (``UniProcExecutor.max_concurrent_batches``, a ``cached_property`` there,
+    evaluated from the class's own function with this config's ``scheduler_config`` and
+    ``parallel_config``). 2 with
     async scheduling and no pipeline parallelism, 1 without (measured on 0.21.0, 0.25.1,
     0.33.0).
 
@@ -113,14 +115,18 @@ def queue_depth(vllm_config: Any) -> int:
     except ImportError as exc:
         raise RuntimeError(f"no max_concurrent_batches in this vLLM ({exc})") from None
     prop = inspect.getattr_static(UniProcExecutor, "max_concurrent_batches", None)
-    if not isinstance(prop, property):
+    if isinstance(prop, property):
+        fn = prop.fget
+    elif isinstance(prop, functools.cached_property):  # 0.21.0
+        fn = prop.func
+    else:
         raise RuntimeError("UniProcExecutor.max_concurrent_batches is not a property")
     fake = SimpleNamespace(
         vllm_config=vllm_config,
         scheduler_config=vllm_config.scheduler_config,
         parallel_config=vllm_config.parallel_config,
     )
-    return int(prop.fget(fake))
+    return int(fn(fake))
 
 
 @dataclass
