@@ -748,7 +748,6 @@ def run_replay(
                 # jobs complete (bounded: a hung job never does).
                 if not engine.worker.busy and drain_steps > 0 or drain_steps >= STALL_STEPS:
                     for done_out in queue.drain():  # the steps still in flight
-
                         scheduler.update_from_output(*done_out)
                     break
                 drain_steps += 1
