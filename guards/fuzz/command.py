@@ -40,6 +40,13 @@ import click
     show_default=True,
     help="draw the simulated worker's latency and failed transfers (where the trace format has them)",
 )
+@click.option(
+    "--async-scheduling/--sync-scheduling",
+    "async_scheduling",
+    default=True,
+    show_default=True,
+    help="draw geometry.async_scheduling (vLLM's AsyncScheduler, batch queue of 2) where the release supports it",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -50,6 +57,7 @@ def fuzz(
     out_dir: str,
     shrink_replays: int | None,
     worker_model: bool,
+    async_scheduling: bool,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -79,6 +87,7 @@ def fuzz(
         shrink_replays=runner.SHRINK_REPLAYS if shrink_replays is None else shrink_replays,
         plant=planted,
         worker_model=worker_model,
+        async_scheduling=async_scheduling,
         progress=show,
     )
     show.done()

@@ -254,18 +254,21 @@ def _replay_summary(result: Any) -> dict[str, Any] | None:
     return out
 
 
-def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
+def not_generated(worker_model: bool = True, async_scheduling: bool = True) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
 
-    return strategies.not_generated(worker_model)
+    return strategies.not_generated(worker_model, async_scheduling)
 
 
-def explorer(seed: int, max_examples: int, worker_model: bool) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
+def explorer(
+    seed: int, max_examples: int, worker_model: bool, async_scheduling: bool = True
+) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
     """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
 
     ``@seed(seed)``, no example database, only the generate phase, no deadline, at most
-    ``max_examples`` examples of :func:`.strategies.traces` (``worker_model`` as there),
+    ``max_examples`` examples of :func:`.strategies.traces` (``worker_model`` and
+    ``async_scheduling`` as there),
     no health check, quiet. The decorated ``body`` is called once per generated trace.
     Call the result inside :func:`.determinism.pinned_constants` for examples that do
     not depend on the process's imports.
@@ -287,13 +290,15 @@ def explorer(seed: int, max_examples: int, worker_model: bool) -> Callable[[Call
                 verbosity=Verbosity.quiet,
                 print_blob=False,
                 report_multiple_bugs=False,
-            )(given(strategies.traces(worker_model=worker_model))(body))
+            )(given(strategies.traces(worker_model=worker_model, async_scheduling=async_scheduling))(body))
         )
 
     return wrap
 
 
-def generate(seed: int, examples: int, *, worker_model: bool = True, pin: bool = True) -> list[Trace]:
+def generate(
+    seed: int, examples: int, *, worker_model: bool = True, async_scheduling: bool = True, pin: bool = True
+) -> list[Trace]:
     """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
 
     The same sequence :func:`fuzz` replays (a geometry vLLM refuses is an example to
@@ -306,7 +311,7 @@ def generate(seed: int, examples: int, *, worker_model: bool = True, pin: bool =
 
     out: list[Trace] = []
 
-    @explorer(seed, examples, worker_model)
+    @explorer(seed, examples, worker_model, async_scheduling)
     def body(trace: Trace) -> None:
         out.append(trace)
 
@@ -327,6 +332,7 @@ def fuzz(
     plant: str | None = None,
     worker_model: bool = True,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    async_scheduling: bool = True,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -336,6 +342,8 @@ def fuzz(
     ``plant``: the test-only planted fault (:mod:`.plant`), guard on only.
     ``worker_model``: draw the worker's latency and failed transfers where the trace
     format has them (False: every job completes in its step).
+    ``async_scheduling``: draw ``geometry.async_scheduling`` where the release supports it
+    (False: vLLM's synchronous ``Scheduler`` only, the examples of a checkout without it).
     """
     from kvguard.guards.fuzz import strategies
     from kvguard.guards.replay import harness
@@ -361,6 +369,8 @@ def fuzz(
         "requests_lost": 0,
         "wrong_kv_blocks": 0,
         "stalls": 0,
+        # examples replayed with geometry.async_scheduling (AsyncScheduler, batch queue 2)
+        "async_scheduling_examples": 0,
     }
     invalid_reasons: dict[str, int] = {}
 
@@ -377,6 +387,7 @@ def fuzz(
             invalid_reasons[key] = invalid_reasons.get(key, 0) + 1
             return
         totals["examples"] += 1
+        totals["async_scheduling_examples"] += int(getattr(trace.geometry, "async_scheduling", False))
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
         totals["checks_evaluated"] += outcome.checks_evaluated
@@ -400,7 +411,7 @@ def fuzz(
             progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
                       "elapsed_s": time.monotonic() - t0})
 
-    @explorer(seed, examples if examples is not None else 10**6, worker_model)
+    @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling)
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -484,7 +495,8 @@ def fuzz(
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,
-        "not_generated": not_generated(worker_model),
+        "async_scheduling": async_scheduling and strategies.async_scheduling_unsupported() is None,
+        "not_generated": not_generated(worker_model, async_scheduling),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),

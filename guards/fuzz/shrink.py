@@ -13,12 +13,13 @@ Hypothesis' shrinker. Why:
   shrinking costs; the moves are deterministic, so the minimal trace is too.
 
 Moves, repeated until none helps (each accepted only when ``predicate(candidate)``):
-the immediate worker instead of a worker model (where the trace has one);
+the immediate worker instead of a worker model (where the trace has one); the
+synchronous scheduler instead of ``async_scheduling``;
 remove a chunk of requests (halves, then quarters, ..., then one at a time, each with
 its dependents); remove a prompt segment; cut all segments of one seed (a shared
 prefix) and then each segment alone to a half, a quarter...; ``max_tokens`` to 1;
 a request's ``abort_at_step`` to none; a request's ``after`` / ``arrival_step`` to none (it arrives at step 0).
-The geometry is kept: the class is usually a property of the geometry.
+The geometry is otherwise kept: the class is usually a property of the geometry.
 
 The size order is (requests, prompt tokens, output tokens); a candidate is accepted only
 when it is strictly smaller, so shrinking terminates.
@@ -65,6 +66,12 @@ def _candidates(trace: Trace) -> Iterator[Trace]:
     model = getattr(trace, "worker", None)
     if model is not None and not model.is_default:
         yield dataclasses.replace(trace, worker=type(model)())
+    # 0b. the synchronous scheduler instead of async scheduling (a class that also shows
+    # without the output lag does not depend on it)
+    if getattr(trace.geometry, "async_scheduling", False):
+        yield dataclasses.replace(
+            trace, geometry=dataclasses.replace(trace.geometry, async_scheduling=False)
+        )
     ids = [r.id for r in reqs]
     # 1. remove chunks of requests (ddmin-style: large chunks first)
     n = len(ids)
@@ -126,7 +133,8 @@ def _order(trace: Trace) -> tuple:
     aborts = sum(1 for r in reqs if getattr(r, "abort_at_step", None) is not None)
     model = getattr(trace, "worker", None)
     busy_worker = int(model is not None and not model.is_default)
-    return size(trace) + (busy_worker, aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
+    lag = int(getattr(trace.geometry, "async_scheduling", False))
+    return size(trace) + (busy_worker, lag, aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
 
 
 @dataclasses.dataclass

@@ -27,7 +27,9 @@ exactly. The names follow vLLM's terms:
 - :func:`traces`: a geometry and its traffic, one :class:`Trace`.
 
 Not generated: ``external_hit_tokens`` (a driven hit is the replay's fallback for a
-geometry ``schedule()`` cannot reach, not a natural finding).
+geometry ``schedule()`` cannot reach, not a natural finding). ``geometry.async_scheduling``
+is drawn by :func:`traces` where the installed release can express it, and reported by
+:func:`not_generated` where it cannot.
 
 Sizes are kept small (prompts up to ``MAX_PROMPT_TOKENS`` tokens, GPU blocks of at most
 16 tokens) so one example replays in milliseconds on a CPU: the geometry ratios that
@@ -320,16 +322,44 @@ def secondary_tiers(draw: st.DrawFn) -> tuple[str, ...] | None:
     return ("example",) * draw(st.integers(1, 2))
 
 
+def async_scheduling_unsupported() -> str | None:
+    """Why the installed vLLM's async scheduling cannot be replayed (None: it can).
+
+    :func:`kvguard.guards.replay.batch_queue.unsupported` (by class, config field and
+    request attribute), computed once per process: the answer depends only on the
+    installed release, so the examples of a seed stay the same for that release.
+    """
+    global _ASYNC_WHY
+    if _ASYNC_WHY is _UNKNOWN:
+        from kvguard.guards.replay import batch_queue
+
+        _ASYNC_WHY = batch_queue.unsupported()
+    return _ASYNC_WHY  # type: ignore[return-value]
+
+
+_UNKNOWN = object()
+_ASYNC_WHY: object = _UNKNOWN
+
+
 @st.composite
-def traces(draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True) -> Trace:
-    """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``,
+def traces(
+    draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True
+) -> Trace:
+    """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
     true (``kvguard fuzz --immediate-worker`` turns it off: the same examples as on a
-    checkout without the worker model), and :func:`secondary_tiers` (drawn last, on a
-    release that has vLLM's tiering)."""
+    checkout without the worker model). ``geometry.async_scheduling`` (vLLM's
+    ``SchedulerConfig.async_scheduling``: ``AsyncScheduler`` behind a batch queue of depth
+    2) is drawn last, half the examples, where ``async_scheduling`` is true and the
+    installed release supports it (:func:`async_scheduling_unsupported`);
+    ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
+    the field existed); and :func:`secondary_tiers` (drawn last, on a release that has
+    vLLM's tiering)."""
     geo = draw(geometry())
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
+    if async_scheduling and async_scheduling_unsupported() is None and draw(st.booleans()):
+        geo = dataclasses.replace(geo, async_scheduling=True)
     tiers = draw(secondary_tiers())
     if tiers is not None:
         geo = dataclasses.replace(geo, secondary_tiers=tiers)
@@ -342,7 +372,7 @@ def traces(draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True) -> Tr
     )
 
 
-def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
+def not_generated(worker_model: bool = True, async_scheduling: bool = True) -> list[dict[str, str]]:
     """Fields of issue 10 this generator does not draw in this checkout, each with why.
 
     The trace format grows (aborts, the worker model, several KV cache groups) in other
@@ -371,7 +401,12 @@ def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
             "reason": "only vLLM's in-memory 'example' tier is drawn (fs, p2p, obj and kvcr "
                       "need a file system, peers or an object store)",
         })
-    out.append({"field": "async_scheduling", "reason": "the replay harness drives the synchronous scheduler"})
+    if not async_scheduling:
+        out.append({"field": "async_scheduling", "reason": "--sync-scheduling: vLLM's synchronous Scheduler only"})
+    else:
+        why = async_scheduling_unsupported()
+        if why is not None:
+            out.append({"field": "async_scheduling", "reason": f"this vLLM release cannot express it: {why}"})
     if WORKER and not worker_model:
         out.append({"field": "worker", "reason": "--immediate-worker: every job completes in its step"})
     elif WORKER:

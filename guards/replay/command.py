@@ -36,8 +36,13 @@ from kvguard.guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
     show_default="guard (or KVGUARD_POLICY)",
     help="guard policy (ignored with --no-guard)",
 )
+@click.option(
+    "--async-scheduling",
+    is_flag=True,
+    help="set the trace's geometry.async_scheduling: vLLM's AsyncScheduler behind a batch queue of 2",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
-def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
+def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, as_json: bool) -> None:
     """Replay a trace on vLLM's real Scheduler + OffloadingConnector (simulated GPU worker)."""
     # vLLM reads these when it is first imported: keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -49,6 +54,12 @@ def replay(trace_ref: str, no_guard: bool, policy: str, as_json: bool) -> None:
     except TraceError as exc:
         click.echo(f"kvguard replay: {exc}", err=True)
         sys.exit(1)
+    if async_scheduling:
+        import dataclasses
+
+        trace = dataclasses.replace(
+            trace, geometry=dataclasses.replace(trace.geometry, async_scheduling=True)
+        )
 
     from kvguard.guards.replay import harness, report
 

@@ -26,6 +26,14 @@ dies, and EngineCore with it). A replay whose requests stop making progress for
 (``ReplayResult.stalls``). Once every request has finished, the replay keeps stepping
 (at most :data:`STALL_STEPS` steps) while the worker still has jobs to submit or
 complete, as EngineCore keeps stepping while the connector has pending work.
+
+With ``geometry.async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` (the class
+``SchedulerConfig.get_scheduler_cls()`` gives) and each step follows vLLM 0.33.0's
+``EngineCore.step_with_batch_queue`` with a batch queue of 2
+(:mod:`kvguard.guards.replay.batch_queue`): ``schedule()``, the worker runs the step,
+and only when the queue is full is the oldest step's output given to
+``update_from_output``; without it, ``EngineCore.step``'s order (schedule, execute,
+update, every step).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.guards.replay import batch_queue
 from kvguard.guards.replay.jobs import WorkerModel
 from kvguard.guards.replay.stalls import StallWatch
 from kvguard.guards.replay.tiering import TierTap, tiering_manager, unlink_shared_region
@@ -96,6 +105,10 @@ class ReplayResult:
     #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
     driven_hits: dict[str, dict[str, int]] = field(default_factory=dict)
     worker: SimulatedWorker | None = None
+    #: the trace's ``async_scheduling`` (AsyncScheduler behind a batch queue of depth 2)
+    async_scheduling: bool = False
+    #: the batch queue and its lag counters (``scheduled_ahead``, ``placeholder_requests``)
+    lag: batch_queue.BatchQueue | None = None
     cpu_chunks: int | None = None
     pending_store_keys: int | None = None
     #: with ``geometry.secondary_tiers``: :meth:`TierTap.summary` (chunks cascaded to and
@@ -353,6 +366,8 @@ class Engine:
     block_hasher: Callable[[Any], Any]
     #: the secondary tiers' tap (``geometry.secondary_tiers``), else ``None``
     tier_tap: TierTap | None = None
+    #: steps in flight (EngineCore's batch queue size): 1 synchronous, 2 async scheduling
+    batch_queue_depth: int = 1
 
 
 def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
@@ -400,12 +415,17 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         enable_prefix_caching=True,
     )
     cache_config.num_gpu_blocks = geometry.num_gpu_blocks
+    async_sched: dict[str, bool] = {}
+    if geometry.async_scheduling:
+        batch_queue.require_supported(version)
+        async_sched["async_scheduling"] = True
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=geometry.max_num_batched_tokens,
         max_num_seqs=geometry.max_num_seqs,
         max_model_len=geometry.max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        **async_sched,
     )
     kv_transfer_config = KVTransferConfig(
         kv_connector="OffloadingConnector",
@@ -445,7 +465,21 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         if "hash_block_size" in inspect.signature(Scheduler.__init__).parameters:
             sizing["hash_block_size"] = hash_block_size
-    scheduler = Scheduler(
+    depth = 1
+    scheduler_cls = Scheduler
+    if geometry.async_scheduling:
+        # EngineCore's choice: the class SchedulerConfig names for async scheduling
+        # (AsyncScheduler) and a batch queue of max_concurrent_batches steps.
+        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+        depth = batch_queue.queue_depth(vllm_config)
+        if not vllm_config.scheduler_config.async_scheduling or depth != batch_queue.DEPTH:
+            raise RuntimeError(
+                f"vLLM {version}: async_scheduling gives scheduler_config.async_scheduling="
+                f"{vllm_config.scheduler_config.async_scheduling} and a batch queue of {depth} "
+                f"steps (the replay drives {batch_queue.DEPTH}), so a trace cannot set "
+                "async_scheduling (geometry.async_scheduling) on this release"
+            )
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -483,6 +517,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         version=version,
         block_hasher=get_request_block_hasher(hash_block_size, hash_fn),
         tier_tap=tap,
+        batch_queue_depth=depth,
     )
 
 
@@ -706,6 +741,10 @@ def run_replay(
     watch = StallWatch(engine.connector_scheduler)
     scheduler = engine.scheduler
     geometry = trace.geometry
+    # EngineCore.step (depth 1) or step_with_batch_queue (async scheduling, depth 2)
+    queue = batch_queue.BatchQueue(engine.batch_queue_depth)
+    result.async_scheduling = engine.batch_queue_depth > 1
+    result.lag = queue
 
     pending = list(trace.requests)
     live: dict[str, Any] = {}
@@ -756,15 +795,20 @@ def run_replay(
                 # finished requests' last stores are built and submitted, in-flight
                 # jobs complete (bounded: a hung job never does).
                 if not engine.worker.busy and drain_steps > 0 or drain_steps >= STALL_STEPS:
+                    for done_out in queue.drain():  # the steps still in flight
+                        scheduler.update_from_output(*done_out)
                     break
                 drain_steps += 1
 
+            placeholders = queue.before_schedule(scheduler)
             t0 = time.perf_counter()
             sched_out = scheduler.schedule()
             t1 = time.perf_counter()
+            queue.after_schedule(sched_out, placeholders)
             model_out = engine.worker.execute(sched_out)
             t2 = time.perf_counter()
-            scheduler.update_from_output(sched_out, model_out)
+            for done_out in queue.push(sched_out, model_out, scheduler.has_requests()):
+                scheduler.update_from_output(*done_out)
             t3 = time.perf_counter()
             result.step_times_s.append((t1 - t0) + (t3 - t2))
             result.steps = step + 1

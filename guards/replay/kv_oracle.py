@@ -75,7 +75,7 @@ decodes. Offenders are counted once per (request, group, block index).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -189,6 +189,10 @@ class KVOracle:
     secondary_loaded_chunks: int = 0
     #: transfer jobs vLLM's own worker loop would assert on (nothing copied)
     rejected_jobs: list[dict[str, Any]] = field(default_factory=list)
+    #: the token ids of a live request as the worker knows them (default: its
+    #: ``all_token_ids``); under async scheduling the worker also knows the tokens it
+    #: sampled whose output the scheduler has not processed yet (see worker.py)
+    token_view: Callable[[Any], Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         self.groups = list(self.groups)
@@ -230,7 +234,7 @@ class KVOracle:
                 if have is None:
                     raise KeyError(f"no live request {req_id!r} and no token codes for it")
                 return have
-            token_ids = req.all_token_ids
+            token_ids = self.token_view(req) if self.token_view is not None else req.all_token_ids
         n = len(token_ids)
         if have is not None and len(have) >= n:
             return have[:n] if len(have) > n else have

@@ -12,7 +12,9 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
                                       "max_pending_blocks": 129, "bound": 129}, ...},
      "guard_errors": {}, "sites": {"installed": 54, "not_rewritten": [], "disabled": 0,
                                    "special_missing": []},
-     "steps": 68, "wall_s": 0.61,
+     "steps": 68, "scheduling": {"async_scheduling": false, "batch_queue_depth": 1,
+                                  "scheduled_ahead": 0, "placeholder_requests": 0},
+     "wall_s": 0.61,
      "driven_hits": {"agent-a/turn-2": {"lookup_hit_tokens": 98304,
                                         "local_hit_tokens": 0, "num_cached_tokens": 98012}},
      "worker": {"jobs_completed": 16, "stores": 15, "inconsistent_specs": [],
@@ -109,6 +111,24 @@ def _worker_timing(worker: Any) -> dict[str, Any]:
     }
 
 
+def scheduling(result: ReplayResult) -> dict[str, Any]:
+    """The report's ``scheduling`` object: how the replay stepped vLLM's scheduler.
+
+    ``async_scheduling`` (the trace's ``geometry.async_scheduling``), ``batch_queue_depth``
+    (steps in flight: 1 synchronous, 2 async), ``scheduled_ahead`` (``schedule()`` calls
+    made while an earlier step's output was not yet given to ``update_from_output``) and
+    ``placeholder_requests`` (requests scheduled while they had output placeholders):
+    both counters are 0 on the synchronous path, so a positive value proves the lag.
+    """
+    lag = result.lag
+    return {
+        "async_scheduling": result.async_scheduling,
+        "batch_queue_depth": lag.depth if lag is not None else 1,
+        "scheduled_ahead": lag.scheduled_ahead if lag is not None else 0,
+        "placeholder_requests": lag.placeholder_requests if lag is not None else 0,
+    }
+
+
 def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
     """The ``--json`` object for ``result`` (field list in the module docstring)."""
     worker = result.worker
@@ -153,6 +173,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "guard_errors": result.guard_errors,
         "sites": {k: v for k, v in result.sites.items() if k != "modules"},
         "steps": result.steps,
+        "scheduling": scheduling(result),
         "wall_s": round(result.wall_s, 3),
         "driven_hits": result.driven_hits,
         "worker": {
@@ -251,6 +272,13 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(
             f"  check:    {name}: {evaluated}{c['tolerated']} tolerated, "
             f"{c['violations']} violations{bound}"
+        )
+    sched = report.get("scheduling") or {}
+    if sched.get("async_scheduling"):
+        lines.append(
+            f"  schedule: async (AsyncScheduler, batch queue {sched['batch_queue_depth']}): "
+            f"{sched['scheduled_ahead']} steps scheduled ahead of an output, "
+            f"{sched['placeholder_requests']} requests scheduled with output placeholders"
         )
     lines.append(f"  time:     {report['wall_s']} s replay, {report['steps']} scheduler steps")
     return "\n".join(lines)

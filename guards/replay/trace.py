@@ -58,6 +58,16 @@ Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups
   :class:`~kvguard.guards.replay.tiering.TieringUnsupported` (a ``RuntimeError``) naming
   the field, the release and the reason.
 
+Optional geometry field ``async_scheduling`` (bool, default false; vLLM's
+``SchedulerConfig.async_scheduling``, ``--async-scheduling``): the harness builds the
+scheduler class vLLM's ``SchedulerConfig.get_scheduler_cls()`` gives for it (the real
+``AsyncScheduler``) and steps it as ``EngineCore.step_with_batch_queue`` does with a batch
+queue of depth 2: step N+1 is scheduled and handed to the worker before step N's output
+reaches ``update_from_output`` (output placeholders, ``num_output_placeholders``;
+:mod:`kvguard.guards.replay.batch_queue`). A release whose code lacks what that needs
+(``AsyncScheduler``, the config field, output placeholders) raises ``RuntimeError``
+naming the field and release, as ``groups`` does where a release cannot express it.
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.guards.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -189,7 +199,7 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 
 
 #: Geometry fields that are not positive ints (validated on their own).
-_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers")
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling")
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,9 @@ class Geometry:
     groups: tuple[GroupGeometry, ...] | None = None
     #: secondary tier types below the CPU tier (``None``: the CPU tier alone)
     secondary_tiers: tuple[str, ...] | None = None
+    #: vLLM's ``SchedulerConfig.async_scheduling``: drive ``AsyncScheduler`` through a
+    #: batch queue of depth 2 (``EngineCore.step_with_batch_queue``; see batch_queue.py)
+    async_scheduling: bool = False
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -233,6 +246,8 @@ class Geometry:
             out["groups"] = [g.to_json() for g in self.groups]
         if self.secondary_tiers is not None:
             out["secondary_tiers"] = [{"type": t} for t in self.secondary_tiers]
+        if self.async_scheduling:
+            out["async_scheduling"] = True
         return out
 
     @property
@@ -251,6 +266,8 @@ class Geometry:
             raise TraceError("geometry.tokens_per_chunk must be a multiple of tokens_per_block")
         if not isinstance(self.extra_retained_tokens, int) or self.extra_retained_tokens < 0:
             raise TraceError("geometry.extra_retained_tokens must be a non-negative int")
+        if not isinstance(self.async_scheduling, bool):
+            raise TraceError("geometry.async_scheduling must be true or false")
         if self.groups is not None:
             if self.extra_retained_tokens:
                 raise TraceError("geometry: with groups, set extra_retained_tokens per group")

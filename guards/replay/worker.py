@@ -235,7 +235,15 @@ class SimulatedWorker:
                 vocab_size=self.vocab_size,
                 offload_group_ids=offload_group_ids(config),
                 shared_pages=pages_shared_by_groups(config),
+                token_view=self.known_tokens,
             )
+
+    def known_tokens(self, req: Any) -> "InFlightTokens":
+        """``req``'s token ids as this worker knows them: vLLM's ``all_token_ids``, then the
+        tokens the worker sampled at positions the scheduler already counts as computed
+        (``num_computed_tokens``) but whose output it has not processed yet (async
+        scheduling's output placeholders). Synchronously the second part is empty."""
+        return InFlightTokens(req, self.vocab_size)
 
     # -- the worker-role connector -------------------------------------------------
     def connector(self) -> Any:
@@ -407,7 +415,11 @@ class SimulatedWorker:
             req = self.scheduler.requests.get(req_id)
             req_ids.append(req_id)
             if req is not None and req.num_computed_tokens >= req.num_tokens:
-                sampled.append([sampled_token(req_id, len(req.output_token_ids), self.vocab_size)])
+                # the token after the last computed position; synchronously that index is
+                # len(output_token_ids), under async scheduling it is ahead of it by the
+                # outputs still in flight (num_output_placeholders)
+                index = int(req.num_computed_tokens) - int(req.num_prompt_tokens)
+                sampled.append([sampled_token(req_id, index, self.vocab_size)])
             else:
                 sampled.append([])  # a partial prefill chunk samples nothing
         kv_fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
@@ -421,6 +433,34 @@ class SimulatedWorker:
             pooler_output=[],
             kv_connector_output=kv_out,
         )
+
+
+class InFlightTokens:
+    """A live request's token ids up to ``num_computed_tokens``, read lazily (no copy).
+
+    Position ``p < len(all_token_ids)`` is vLLM's token; a position beyond it (a token the
+    worker sampled whose output the scheduler has not processed: async scheduling) is
+    :func:`sampled_token` at output index ``p - num_prompt_tokens``, the token the worker
+    returned for it (the scheduler appends exactly that token when it processes the output).
+    """
+
+    def __init__(self, req: Any, vocab_size: int):
+        self._ids = req.all_token_ids
+        self._known = len(self._ids)
+        self._len = max(self._known, int(req.num_computed_tokens))
+        self._req_id = req.request_id
+        self._prompt = int(req.num_prompt_tokens)
+        self._vocab = vocab_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> int:
+        if i < self._known:
+            return self._ids[i]
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        return sampled_token(self._req_id, i - self._prompt, self._vocab)
 
 
 def _cpu_spec_class() -> type:

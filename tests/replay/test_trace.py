@@ -190,3 +190,21 @@ def test_secondary_tiers_without_vllm_name_the_field_and_reason() -> None:
     with pytest.raises(tiering.TieringUnsupported, match="geometry.secondary_tiers.*vLLM is not installed"):
         tiering.extra_config(("example",))
     assert tiering.extra_config(None) == {}
+
+
+def test_async_scheduling_parses_round_trips_and_defaults_to_false() -> None:
+    geo = {**HEADER["geometry"], "async_scheduling": True}
+    trace = parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))
+    assert trace.geometry.async_scheduling is True
+    assert json.loads(trace.dumps().splitlines()[0])["geometry"]["async_scheduling"] is True
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    plain = parse_trace(_lines(HEADER, _req("a")))
+    assert plain.geometry.async_scheduling is False
+    assert "async_scheduling" not in json.loads(plain.dumps().splitlines()[0])["geometry"]
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_async_scheduling_must_be_a_bool(bad) -> None:
+    geo = {**HEADER["geometry"], "async_scheduling": bad}
+    with pytest.raises(TraceError, match="geometry.async_scheduling must be true or false"):
+        parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))

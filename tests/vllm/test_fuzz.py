@@ -86,8 +86,9 @@ def search_021(tmp_path_factory):
     # script in a fresh process (test_fuzz_is_deterministic_inside_a_used_process).
     # Seed 14: with the pinned generator, 24 of seeds 0-24 at 300 examples find #42945 (not 3);
     # seeds 1, 14, 19 and 24 also find the #43884 class (seed 14: 7 examples, the most).
-    # --immediate-worker: the same examples whether or not the checkout has the worker model
-    code, r = _cli_fuzz(out, "--no-guard", "--immediate-worker", "--seed", "14", "--examples", "300",
+    # --immediate-worker: the same examples whether or not the checkout has the worker model;
+    # --sync-scheduling: the same examples as before geometry.async_scheduling was drawn
+    code, r = _cli_fuzz(out, "--no-guard", "--immediate-worker", "--sync-scheduling", "--seed", "14", "--examples", "300",
                         "--shrink-replays", "60")
     assert code == 0
     return r
