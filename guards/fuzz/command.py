@@ -14,19 +14,15 @@ import sys
 
 import click
 
+from kvguard.guards.replay.command import policy_option
+
 
 @click.command(name="fuzz")
 @click.option("--budget-s", type=click.FloatRange(min=1), default=None, help="explore for this many seconds (not deterministic)")
 @click.option("--examples", type=click.IntRange(min=1), default=None, help="explore exactly N generated examples [default: 200]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed")
 @click.option("--guard/--no-guard", default=True, show_default=True, help="run with kvguard installed or vLLM alone")
-@click.option(
-    "--policy",
-    type=click.Choice(["observe", "guard", "strict"]),
-    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
-    show_default="guard (or KVGUARD_POLICY)",
-    help="guard policy (ignored with --no-guard)",
-)
+@policy_option
 @click.option("--out", "out_dir", default="fuzz-findings", show_default=True, help="directory for <class-slug>.jsonl")
 @click.option(
     "--shrink-replays",
