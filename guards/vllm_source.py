@@ -44,6 +44,7 @@ __all__ = [
     "fetch_sdist",
     "sdist_offload_sources",
     "installed_offload_sources",
+    "installed_module_source",
     "asserted_window_bound",
 ]
 
@@ -200,6 +201,20 @@ def installed_offload_sources() -> dict[str, str]:
         if name and in_scope(name):
             out[name] = path.read_text(encoding="utf-8")
     return out
+
+
+def installed_module_source(module: str) -> str | None:
+    """The source text of one module of the installed vLLM (``"vllm.a.b"`` -> ``vllm/a/b.py``
+    or ``vllm/a/b/__init__.py``), or None where the release has no such module (or no vLLM
+    is installed). Nothing is imported: safe before the guard's import hook is installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin or not module.startswith("vllm."):
+        return None
+    base = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return None
 
 
 class _Spec:
