@@ -7,7 +7,8 @@
   not used: it would build the sdist's metadata, which needs torch.
 - :func:`sdist_offload_sources` / :func:`installed_offload_sources`: ``{module: source}``
   for every module kvguard's scope rule accepts (:func:`kvguard.guards.sites.in_scope`),
-  read from the tarball or from the installed package's files (nothing is imported).
+  read from the tarball or from the installed package's files (nothing is imported);
+  :func:`installed_module_source`: one installed module's source, likewise.
 - :func:`asserted_window_bound`: the bound the release's own window assert computes for
   a geometry, by evaluating that assert's bound expression (found by
   :func:`kvguard.guards.sites.discover`) with the window in chunks from the release's own

@@ -246,6 +246,23 @@ def _replay_summary(result: Any) -> dict[str, Any] | None:
     return out
 
 
+def new_layout_counts() -> dict[str, Any]:
+    """Empty ``layouts`` object of the report (see :func:`count_layout`)."""
+    return {"kv_cache_groups": {}, "mixed_block_sizes": 0, "extra_retained_tokens": 0}
+
+
+def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
+    """Count one replayed example's KV cache layout into the report's ``layouts``:
+    ``kv_cache_groups`` (number of groups -> examples), ``mixed_block_sizes`` (examples
+    whose groups differ in ``tokens_per_block``), ``extra_retained_tokens`` (examples with a
+    sliding-window group keeping tokens below its window)."""
+    groups = trace.geometry.kv_groups()
+    key = str(len(groups))
+    layouts["kv_cache_groups"][key] = layouts["kv_cache_groups"].get(key, 0) + 1
+    layouts["mixed_block_sizes"] += int(len({g.tokens_per_block for g in groups}) > 1)
+    layouts["extra_retained_tokens"] += int(any(g.extra_retained_tokens for g in groups))
+
+
 def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
@@ -304,6 +321,7 @@ def fuzz(
         "stalls": 0,
     }
     invalid_reasons: dict[str, int] = {}
+    layouts = new_layout_counts()
 
     class _BudgetSpent(Exception):
         pass
@@ -318,6 +336,7 @@ def fuzz(
             invalid_reasons[key] = invalid_reasons.get(key, 0) + 1
             return
         totals["examples"] += 1
+        count_layout(layouts, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
         totals["checks_evaluated"] += outcome.checks_evaluated
@@ -406,7 +425,7 @@ def fuzz(
                     "size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(minimal))),
                     "found_size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(s.trace))),
                     "shrink_replays": shrunk.replays if shrunk is not None else 0,
-                    "geometry": vars(minimal.geometry),
+                    "geometry": minimal.geometry.to_json(),
                     "error": s.error,
                     "error_site": s.error_site,
                     "known_issue": known_issue(name, s.error),
@@ -431,6 +450,7 @@ def fuzz(
         "deterministic": budget_s is None,
         **totals,
         "invalid_reasons": invalid_reasons,
+        "layouts": layouts,
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,

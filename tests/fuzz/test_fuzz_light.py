@@ -207,3 +207,16 @@ def test_planted_fault_switch_is_read_only_when_set(monkeypatch):
 
     with pytest.raises(plant.PlantedFault):
         plant.planted_check("site", True)
+
+
+def test_count_layout_counts_groups_block_sizes_and_extra_retained_tokens():
+    from kvguard.guards.fuzz import runner
+    from kvguard.guards.replay.trace import GroupGeometry
+
+    groups = (GroupGeometry("full", 16), GroupGeometry("sliding_window", 8, 64, 3),
+              GroupGeometry("sliding_window", 16, 128))
+    layouts = runner.new_layout_counts()
+    runner.count_layout(layouts, _trace())  # the default layout: two groups, one block size
+    runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(tokens_per_block=16, groups=groups)))
+    runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(extra_retained_tokens=5)))
+    assert layouts == {"kv_cache_groups": {"2": 2, "3": 1}, "mixed_block_sizes": 1, "extra_retained_tokens": 2}
