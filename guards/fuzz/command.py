@@ -36,6 +36,12 @@ from kvguard.guards.replay.command import policy_option
     show_default=True,
     help="draw the simulated worker's latency and failed transfers (where the trace format has them)",
 )
+@click.option(
+    "--kv-layouts/--default-layout",
+    default=False,
+    show_default=True,
+    help="also draw KV cache groups and extra_retained_tokens where the release expresses them",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -46,6 +52,7 @@ def fuzz(
     out_dir: str,
     shrink_replays: int | None,
     worker_model: bool,
+    kv_layouts: bool,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -75,6 +82,7 @@ def fuzz(
         shrink_replays=runner.SHRINK_REPLAYS if shrink_replays is None else shrink_replays,
         plant=planted,
         worker_model=worker_model,
+        kv_layouts=kv_layouts,
         progress=show,
     )
     show.done()

@@ -263,11 +263,11 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
     layouts["extra_retained_tokens"] += int(any(g.extra_retained_tokens for g in groups))
 
 
-def not_generated(worker_model: bool = True) -> list[dict[str, str]]:
+def not_generated(worker_model: bool = True, kv_layouts: bool = False) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
 
-    return strategies.not_generated(worker_model)
+    return strategies.not_generated(worker_model, kv_layouts)
 
 
 def fuzz(
@@ -281,6 +281,7 @@ def fuzz(
     shrink_replays: int = SHRINK_REPLAYS,
     plant: str | None = None,
     worker_model: bool = True,
+    kv_layouts: bool = False,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
@@ -291,6 +292,8 @@ def fuzz(
     ``plant``: the test-only planted fault (:mod:`.plant`), guard on only.
     ``worker_model``: draw the worker's latency and failed transfers where the trace
     format has them (False: every job completes in its step).
+    ``kv_layouts``: also draw KV cache groups and ``extra_retained_tokens`` where the
+    release expresses them (:func:`.strategies.kv_cache_layout`; off by default).
     """
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
@@ -372,7 +375,7 @@ def fuzz(
         print_blob=False,
         report_multiple_bugs=False,
     )
-    @given(strategies.traces(worker_model=worker_model))
+    @given(strategies.traces(worker_model=worker_model, kv_layouts=kv_layouts))
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -454,7 +457,8 @@ def fuzz(
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,
-        "not_generated": not_generated(worker_model),
+        "kv_layouts": kv_layouts,
+        "not_generated": not_generated(worker_model, kv_layouts),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),
