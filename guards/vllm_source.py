@@ -7,7 +7,8 @@
   not used: it would build the sdist's metadata, which needs torch.
 - :func:`sdist_offload_sources` / :func:`installed_offload_sources`: ``{module: source}``
   for every module kvguard's scope rule accepts (:func:`kvguard.guards.sites.in_scope`),
-  read from the tarball or from the installed package's files (nothing is imported).
+  read from the tarball or from the installed package's files (nothing is imported);
+  :func:`installed_module_source`: one installed module's source, likewise.
 - :func:`asserted_window_bound`: the bound the release's own window assert computes for
   a geometry, by evaluating that assert's bound expression (found by
   :func:`kvguard.guards.sites.discover`) with the window in chunks from the release's own
@@ -44,6 +45,7 @@ __all__ = [
     "fetch_sdist",
     "sdist_offload_sources",
     "installed_offload_sources",
+    "installed_module_source",
     "asserted_window_bound",
 ]
 
@@ -200,6 +202,20 @@ def installed_offload_sources() -> dict[str, str]:
         if name and in_scope(name):
             out[name] = path.read_text(encoding="utf-8")
     return out
+
+
+def installed_module_source(module: str) -> str | None:
+    """The source text of one module of the installed vLLM (``"vllm.a.b"`` -> ``vllm/a/b.py``
+    or ``vllm/a/b/__init__.py``), or None where the release has no such module (or no vLLM
+    is installed). Nothing is imported: safe before the guard's import hook is installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin or not module.startswith("vllm."):
+        return None
+    base = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return None
 
 
 class _Spec:

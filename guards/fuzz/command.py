@@ -14,19 +14,15 @@ import sys
 
 import click
 
+from kvguard.guards.replay.command import policy_option
+
 
 @click.command(name="fuzz")
 @click.option("--budget-s", type=click.FloatRange(min=1), default=None, help="explore for this many seconds (not deterministic)")
 @click.option("--examples", type=click.IntRange(min=1), default=None, help="explore exactly N generated examples [default: 200]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed")
 @click.option("--guard/--no-guard", default=True, show_default=True, help="run with kvguard installed or vLLM alone")
-@click.option(
-    "--policy",
-    type=click.Choice(["observe", "guard", "strict"]),
-    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
-    show_default="guard (or KVGUARD_POLICY)",
-    help="guard policy (ignored with --no-guard)",
-)
+@policy_option
 @click.option("--out", "out_dir", default="fuzz-findings", show_default=True, help="directory for <class-slug>.jsonl")
 @click.option(
     "--shrink-replays",
@@ -47,6 +43,12 @@ import click
     show_default=True,
     help="draw geometry.async_scheduling (vLLM's AsyncScheduler, batch queue of 2) where the release supports it",
 )
+@click.option(
+    "--kv-layouts/--default-layout",
+    default=False,
+    show_default=True,
+    help="also draw KV cache groups and extra_retained_tokens where the release expresses them",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -58,6 +60,7 @@ def fuzz(
     shrink_replays: int | None,
     worker_model: bool,
     async_scheduling: bool,
+    kv_layouts: bool,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -88,6 +91,7 @@ def fuzz(
         plant=planted,
         worker_model=worker_model,
         async_scheduling=async_scheduling,
+        kv_layouts=kv_layouts,
         progress=show,
     )
     show.done()

@@ -65,6 +65,13 @@ def table(result: dict[str, Any]) -> str:
         f"stalls {result['stalls']}, requests lost {result['requests_lost']}, "
         f"wrong-KV blocks {result['wrong_kv_blocks']}, kvguard bugs {result['kvguard_bugs']}",
     ]
+    lay = result.get("layouts")
+    if lay:
+        groups = ", ".join(f"{n}: {c}" for n, c in sorted(lay["kv_cache_groups"].items()))
+        lines.append(
+            f"  KV cache groups per example ({groups}); mixed block sizes {lay['mixed_block_sizes']}, "
+            f"extra_retained_tokens {lay['extra_retained_tokens']}"
+        )
     if not result["classes"]:
         lines.append("  no findings")
     for c in result["classes"]:

@@ -7,10 +7,14 @@ exactly. The names follow vLLM's terms:
 - :func:`geometry`: ``tokens_per_block`` (GPU block size, tokens), ``blocks_per_chunk``
   (GPU blocks per offloaded block; ``tokens_per_chunk = tokens_per_block *
   blocks_per_chunk``), ``sliding_window`` (tokens, of the sliding-window KV cache group),
-  ``num_gpu_blocks`` (GPU blocks shared by both KV cache groups), ``cpu_chunks``
+  ``num_gpu_blocks`` (GPU blocks shared by all KV cache groups), ``cpu_chunks``
   (offloaded blocks the CPU tier holds: a few, so vLLM's LRU evicts),
   ``max_num_batched_tokens`` / ``max_num_seqs`` (SchedulerConfig; small values chunk
-  prefills across steps), ``max_model_len`` (tokens).
+  prefills across steps), ``max_model_len`` (tokens); and, only where the installed
+  release can express them (:func:`layout_support`), :func:`kv_cache_layout`'s
+  ``groups`` (1..4 KV cache groups, full attention / sliding window, different
+  ``tokens_per_block``) and ``extra_retained_tokens`` (tokens a sliding-window group
+  keeps below its window).
 - :func:`traffic`: requests of one trace: shared prefixes (segments with equal seeds:
   ``random.Random(seed)`` draws tokens sequentially, so a shorter segment with the same
   seed is a prefix of a longer one), multi-turn agents (turn k arrives ``after`` turn k-1
@@ -28,8 +32,8 @@ exactly. The names follow vLLM's terms:
 
 Not generated: ``external_hit_tokens`` (a driven hit is the replay's fallback for a
 geometry ``schedule()`` cannot reach, not a natural finding). ``geometry.async_scheduling``
-is drawn by :func:`traces` where the installed release can express it, and reported by
-:func:`not_generated` where it cannot.
+is drawn by :func:`traces` where the installed release can express it; the fields a
+release cannot express are listed by :func:`not_generated` with the reason.
 
 Sizes are kept small (prompts up to ``MAX_PROMPT_TOKENS`` tokens, GPU blocks of at most
 16 tokens) so one example replays in milliseconds on a CPU: the geometry ratios that
@@ -44,11 +48,12 @@ alone can always be scheduled, so a stall is never the generator's doing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest
+from kvguard.guards.replay.trace import Geometry, GroupGeometry, Segment, Trace, TraceRequest
 
 #: GPU block sizes (tokens) the fuzzer draws from.
 TOKENS_PER_BLOCK = (4, 8, 16)
@@ -80,9 +85,31 @@ def min_gpu_blocks(tokens_per_block: int, sliding_window: int, max_model_len: in
     release's own check (:func:`kvguard.guards.fuzz.runner.startup_refusal`) and counts a
     geometry it refuses as invalid, never as a finding.
     """
-    full = _cdiv(max_model_len, tokens_per_block)
-    swa = min(full, _cdiv(sliding_window - 1 + 2 * max_num_batched_tokens, tokens_per_block) + 1)
-    return full + swa + 2
+    return layout_min_gpu_blocks(
+        (GroupGeometry("full", tokens_per_block), GroupGeometry("sliding_window", tokens_per_block, sliding_window)),
+        max_model_len,
+        max_num_batched_tokens,
+    )
+
+
+def layout_min_gpu_blocks(groups: tuple[GroupGeometry, ...], max_model_len: int, max_num_batched_tokens: int) -> int:
+    """:func:`min_gpu_blocks` for any KV cache groups (one shared pool of GPU blocks).
+
+    Per group, in that group's ``tokens_per_block``: full attention
+    ``cdiv(max_model_len, tokens_per_block)``; sliding window ``cdiv(sliding_window - 1 +
+    extra_retained_tokens + 2 * max_num_batched_tokens, tokens_per_block) + 1``, at most
+    the full count (``extra_retained_tokens`` widens the kept window, as in vLLM 0.33.0's
+    ``SlidingWindowSpec.max_memory_usage_bytes``). Summed, plus the null block and one
+    block of slack.
+    """
+    total = 2
+    for g in groups:
+        full = _cdiv(max_model_len, g.tokens_per_block)
+        if g.kind == "sliding_window":
+            kept = (g.sliding_window or 0) - 1 + g.extra_retained_tokens + 2 * max_num_batched_tokens
+            full = min(full, _cdiv(kept, g.tokens_per_block) + 1)
+        total += full
+    return total
 
 
 #: ``max_model_len`` values (tokens): a short one makes the GPU pool small, so requests
@@ -91,7 +118,7 @@ MAX_MODEL_LEN = (128, 256, 512, 1024, MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS)
 
 
 @st.composite
-def geometry(draw: st.DrawFn, max_model_len: int | None = None) -> Geometry:
+def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool = False) -> Geometry:
     """A KV cache + scheduler geometry (units in the module docstring).
 
     ``max_model_len`` (tokens) is drawn from :data:`MAX_MODEL_LEN` unless given.
@@ -112,6 +139,17 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None) -> Geometry:
         max_num_seqs, draw(st.sampled_from((32, 64, 128, 256, 512, 2048)))
     )
     floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len, max_num_batched_tokens)
+    layout: dict[str, object] = {}
+    if kv_layouts and any(reason is None for reason in layout_support().values()):
+        # opt-in (``kvguard fuzz --kv-layouts``), and only where the release can express a
+        # field: otherwise nothing more is drawn, so the examples are the ones before
+        layout = draw(kv_cache_layout(tokens_per_block, sliding_window))
+        groups = layout.get("groups") or (
+            GroupGeometry("full", tokens_per_block),
+            GroupGeometry("sliding_window", tokens_per_block, sliding_window,
+                          int(layout.get("extra_retained_tokens", 0))),
+        )
+        floor = layout_min_gpu_blocks(groups, max_model_len, max_num_batched_tokens)
     # half the examples sit near the floor: requests evict each other's prefix cache
     # (so later turns load from the CPU tier) and running requests preempt each other
     if draw(st.booleans()):
@@ -129,7 +167,73 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None) -> Geometry:
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         vocab_size=VOCAB_SIZE,
+        **layout,
     )
+
+
+#: KV cache groups :func:`kv_cache_layout` draws (with ``groups``), at most.
+MAX_GROUPS = 4
+
+
+@functools.cache
+def layout_support() -> dict[str, str | None]:
+    """Per geometry field (``groups``, ``extra_retained_tokens``): why the installed vLLM,
+    as the replay harness drives it, cannot express it, or None where it can.
+
+    The harness's own checks, by feature detection (cached per process):
+    ``groups`` needs :func:`~kvguard.guards.replay.harness.mixed_block_sizes_refusal`
+    to be None (groups of different ``tokens_per_block``), ``extra_retained_tokens``
+    :func:`~kvguard.guards.replay.harness.extra_retained_tokens_refusal`. Without vLLM
+    (the light test env) neither is drawn.
+    """
+    try:
+        from kvguard.guards.replay import harness
+
+        harness.vllm_version()
+        return {
+            "extra_retained_tokens": harness.extra_retained_tokens_refusal(),
+            "groups": harness.mixed_block_sizes_refusal(),
+        }
+    except (ImportError, RuntimeError) as exc:
+        why = f"not drawn without vLLM ({exc})"
+        return {"extra_retained_tokens": why, "groups": why}
+
+
+@st.composite
+def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int) -> dict[str, object]:
+    """The KV cache group fields of a :class:`Geometry`, for :func:`layout_support`'s release.
+
+    Half the examples keep the default layout (full attention + one sliding window of
+    ``sliding_window`` tokens, ``tokens_per_block`` each), with ``extra_retained_tokens``
+    where supported. The other half, where ``groups`` is supported, draw 1..
+    :data:`MAX_GROUPS` KV cache groups (``geometry.groups``): each full attention or
+    sliding window; the first has the flat ``tokens_per_block`` (the block size
+    ``blocks_per_chunk`` is taken from), the others one of :data:`TOKENS_PER_BLOCK` (all
+    divide the largest, as the harness's equal page sizes need); a sliding-window group's
+    window is 1..48 of its blocks (sometimes not a multiple); each sliding-window group
+    gets ``extra_retained_tokens`` where supported. Returns ``{}``, ``{"extra_retained_tokens": N}``
+    or ``{"groups": (GroupGeometry, ...)}``.
+    """
+    support = layout_support()
+    extra_ok = support["extra_retained_tokens"] is None
+
+    def extra_retained(tpb: int) -> int:
+        # MTP keeps a few tokens below the window (num_prefill_lookahead_tokens - 1)
+        return draw(st.sampled_from((0, 0, 1, 2, 3, tpb, tpb + 1))) if extra_ok else 0
+
+    if support["groups"] is not None or draw(st.booleans()):
+        extra = extra_retained(tokens_per_block)
+        return {"extra_retained_tokens": extra} if extra else {}
+    groups = []
+    window = sliding_window
+    for i in range(draw(st.integers(1, MAX_GROUPS))):
+        tpb = tokens_per_block if i == 0 else draw(st.sampled_from(TOKENS_PER_BLOCK))
+        if draw(st.booleans()):
+            groups.append(GroupGeometry("full", tpb))
+            continue
+        groups.append(GroupGeometry("sliding_window", tpb, window, extra_retained(tpb)))
+        window = draw(st.integers(1, 48)) * tpb + draw(st.sampled_from((0, 0, 0, 1, tpb // 2)))
+    return {"groups": tuple(groups)}
 
 
 def prompt_tokens(draw: st.DrawFn, budget: int) -> int:
@@ -343,7 +447,8 @@ _ASYNC_WHY: object = _UNKNOWN
 
 @st.composite
 def traces(
-    draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True
+    draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
+    kv_layouts: bool = False,
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -353,9 +458,10 @@ def traces(
     2) is drawn last, half the examples, where ``async_scheduling`` is true and the
     installed release supports it (:func:`async_scheduling_unsupported`);
     ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
-    the field existed); and :func:`secondary_tiers` (drawn last, on a release that has
-    vLLM's tiering)."""
-    geo = draw(geometry())
+    the field existed); :func:`secondary_tiers` (drawn last, on a release that has
+    vLLM's tiering). ``kv_layouts`` (``kvguard fuzz --kv-layouts``) draws
+    :func:`kv_cache_layout` where :func:`layout_support` allows it."""
+    geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
     if async_scheduling and async_scheduling_unsupported() is None and draw(st.booleans()):
@@ -372,7 +478,17 @@ def traces(
     )
 
 
-def not_generated(worker_model: bool = True, async_scheduling: bool = True) -> list[dict[str, str]]:
+#: Why the KV cache layout fields are off by default (measured on vLLM 0.33.0, 1 Dec 2026).
+LAYOUTS_OFF = (
+    "off by default (kvguard fuzz --kv-layouts draws it where the release expresses it): on "
+    "vLLM 0.33.0 drawn layouts give a wrong-KV class with extra_retained_tokens, guarded or "
+    "not (docs/fuzz.md), and they change the examples a seed generates"
+)
+
+
+def not_generated(
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = False
+) -> list[dict[str, str]]:
     """Fields of issue 10 this generator does not draw in this checkout, each with why.
 
     The trace format grows (aborts, the worker model, several KV cache groups) in other
@@ -387,11 +503,13 @@ def not_generated(worker_model: bool = True, async_scheduling: bool = True) -> l
     ]
     if not ABORTS:
         out.append({"field": "abort_at_step", "reason": "not in this checkout's trace format"})
-    # The trace format has these (issue 9 item 6) but the generator does not draw them yet,
-    # and older releases refuse them: listed, never silently left out.
-    for name in ("extra_retained_tokens", "groups"):
-        why = "not drawn by this generator yet" if name in geo_fields else "not in this checkout's trace format"
-        out.append({"field": name, "reason": why})
+    # Drawn only where the installed release can express them (layout_support): listed
+    # with the harness's own reason elsewhere, never silently left out.
+    for name, why in (layout_support() if kv_layouts else dict.fromkeys(("extra_retained_tokens", "groups"), LAYOUTS_OFF)).items():
+        if name not in geo_fields:
+            out.append({"field": name, "reason": "not in this checkout's trace format"})
+        elif why is not None:
+            out.append({"field": name, "reason": why})
     why = tiering_unsupported()
     if why is not None:
         out.append({"field": "secondary_tiers", "reason": why})

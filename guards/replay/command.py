@@ -18,6 +18,16 @@ import click
 
 from kvguard.guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
 
+#: ``--policy`` of ``kvguard replay`` and ``kvguard fuzz``: the guard policy (observe,
+#: guard, strict; default ``KVGUARD_POLICY`` or ``guard``), ignored with ``--no-guard``.
+policy_option = click.option(
+    "--policy",
+    type=click.Choice(["observe", "guard", "strict"]),
+    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
+    show_default="guard (or KVGUARD_POLICY)",
+    help="guard policy (ignored with --no-guard)",
+)
+
 
 @click.command(name="replay")
 @click.option(
@@ -29,13 +39,7 @@ from kvguard.guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
     help=f"built-in trace ({', '.join(sorted(BUILTIN_TRACES))}) or a JSONL trace file",
 )
 @click.option("--no-guard", is_flag=True, help="run vLLM unguarded: its own assertions decide")
-@click.option(
-    "--policy",
-    type=click.Choice(["observe", "guard", "strict"]),
-    default=lambda: os.environ.get("KVGUARD_POLICY", "guard").strip().lower(),
-    show_default="guard (or KVGUARD_POLICY)",
-    help="guard policy (ignored with --no-guard)",
-)
+@policy_option
 @click.option(
     "--async-scheduling",
     is_flag=True,

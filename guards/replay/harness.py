@@ -38,6 +38,7 @@ update, every step).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -241,7 +242,6 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
 
     groups = geometry.kv_groups()
     largest = max(g.tokens_per_block for g in groups)
-    swa_fields = {f.name for f in dataclasses.fields(SlidingWindowSpec)}
     specs = []
     for i, group in enumerate(groups):
         if largest % group.tokens_per_block:
@@ -260,12 +260,9 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
             continue
         extra: dict[str, int] = {}
         if group.extra_retained_tokens:
-            if "extra_retained_tokens" not in swa_fields:
-                raise RuntimeError(
-                    f"vLLM {vllm_version()}: SlidingWindowSpec has no field "
-                    "'extra_retained_tokens', so a trace cannot set extra_retained_tokens "
-                    f"(geometry group {i}) on this release"
-                )
+            refusal = extra_retained_tokens_refusal()
+            if refusal is not None:
+                raise RuntimeError(f"{refusal} (geometry group {i})")
             extra["extra_retained_tokens"] = group.extra_retained_tokens
         specs.append(SlidingWindowSpec(sliding_window=group.sliding_window, **common, **extra))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(len(groups))]
@@ -328,21 +325,71 @@ def _chunk_size_config(geometry: Geometry) -> dict[str, int]:
     """
     if len({g.tokens_per_block for g in geometry.kv_groups()}) == 1:
         return {"block_size": geometry.tokens_per_chunk}
-    import inspect
-
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as off_config
-
-        accepts = '"blocks_per_chunk"' in inspect.getsource(off_config)
-    except ImportError:
-        accepts = False
-    if not accepts:
-        raise RuntimeError(
-            f"vLLM {vllm_version()}: KV cache groups with different tokens_per_block need "
-            "kv_connector_extra_config['blocks_per_chunk'], which this release's offloading "
-            "connector does not read ('block_size' requires one block size for every group)"
-        )
+    refusal = blocks_per_chunk_refusal()
+    if refusal is not None:
+        raise RuntimeError(refusal)
     return {"blocks_per_chunk": geometry.blocks_per_chunk}
+
+
+@functools.cache
+def extra_retained_tokens_refusal() -> str | None:
+    """Why a trace cannot set ``extra_retained_tokens`` on the installed release, or None.
+
+    vLLM's ``SlidingWindowSpec.extra_retained_tokens`` (tokens a sliding-window group keeps
+    below its window, MTP) is a dataclass field where the release has it (measured: 0.33.0
+    has it, 0.21.0 and 0.25.1 do not); found by the dataclass's fields, never by version.
+    Cached per process (imports ``vllm.v1.kv_cache_interface``, no offload module).
+    """
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if "extra_retained_tokens" in {f.name for f in dataclasses.fields(SlidingWindowSpec)}:
+        return None
+    return (
+        f"vLLM {vllm_version()}: SlidingWindowSpec has no field 'extra_retained_tokens', so a "
+        "trace cannot set extra_retained_tokens on this release"
+    )
+
+
+@functools.cache
+def blocks_per_chunk_refusal() -> str | None:
+    """Why KV cache groups of different ``tokens_per_block`` cannot be configured, or None.
+
+    They need ``kv_connector_extra_config["blocks_per_chunk"]`` (``block_size`` asserts one
+    block size for every group); a release whose offloading config module does not read
+    that key (measured: 0.21.0 and 0.25.1) cannot express them. Discovered in the
+    release's source text of ``offloading/config.py``, read without importing it (an
+    offload module imported before the guard is installed would not be rewritten), cached
+    per process.
+    """
+    from kvguard.guards.vllm_source import installed_module_source
+
+    source = installed_module_source("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config")
+    if source is not None and '"blocks_per_chunk"' in source:
+        return None
+    return (
+        f"vLLM {vllm_version()}: KV cache groups with different tokens_per_block need "
+        "kv_connector_extra_config['blocks_per_chunk'], which this release's offloading "
+        "connector does not read ('block_size' requires one block size for every group)"
+    )
+
+
+def mixed_block_sizes_refusal() -> str | None:
+    """Why a replay on the installed release cannot run KV cache groups of different
+    ``tokens_per_block``, or None: :func:`blocks_per_chunk_refusal` (the connector cannot
+    be configured), else a release whose ``KVCacheTensor`` is ``shared_by`` every layer
+    (one page per block id for all groups), which the KV-content oracle refuses for
+    different block sizes (``ValueError`` "shared_pages needs one tokens_per_block",
+    measured on 0.26.0). Feature detection only; the fuzzer asks it before drawing them.
+    """
+    refusal = blocks_per_chunk_refusal()
+    if refusal is None and "shared_by" in _tensor_fields():
+        refusal = (
+            f"vLLM {vllm_version()}: its KVCacheTensor is shared_by every layer (one page per "
+            "block id), so the KV-content oracle cannot hold groups of different tokens_per_block"
+        )
+    return refusal
 
 
 def _tensor_fields() -> set[str]:

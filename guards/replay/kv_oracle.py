@@ -337,21 +337,28 @@ class KVOracle:
             arr = self._cpu[key] = np.zeros((self.blocks_per_chunk, tpb), np.int64)
         return arr
 
-    def store(self, job_id: int, gpu_spec: Any, cpu_spec: Any) -> int:
-        """Copy a store job's GPU blocks into its CPU chunks; returns GPU blocks copied."""
+    def _copies(self, job_id: int, gpu_spec: Any, cpu_spec: Any, store: bool) -> list[tuple[int, int, int, int]]:
+        """One ``(KV cache group, GPU block id, CPU chunk id, sub-block index)`` per GPU block
+        of a transfer job, in the job's order; empty (and the job recorded in
+        :attr:`rejected_jobs`) where vLLM's ``transfer_async`` would assert."""
         cpu_ids = np.asarray(cpu_spec.block_ids, np.int64)
         plan = self._plan(gpu_spec, len(cpu_ids))
         if plan is None:
-            self.rejected_jobs.append({"job_id": int(job_id), "store": True})
-            return 0
-        copied = 0
-        for group, gids, chunk_pos, sub in plan:
-            src = self._gpu[group][gids]
-            for k in range(len(gids)):
-                self._chunk(group, int(cpu_ids[chunk_pos[k]]))[sub[k]] = src[k]
-            copied += len(gids)
-        self.stored_blocks += copied
-        return copied
+            self.rejected_jobs.append({"job_id": int(job_id), "store": store})
+            return []
+        return [
+            (group, int(gids[k]), int(cpu_ids[chunk_pos[k]]), int(sub[k]))
+            for group, gids, chunk_pos, sub in plan
+            for k in range(len(gids))
+        ]
+
+    def store(self, job_id: int, gpu_spec: Any, cpu_spec: Any) -> int:
+        """Copy a store job's GPU blocks into its CPU chunks; returns GPU blocks copied."""
+        copies = self._copies(job_id, gpu_spec, cpu_spec, store=True)
+        for group, gpu_block, cpu_block, sub in copies:
+            self._chunk(group, cpu_block)[sub] = self._gpu[group][gpu_block]
+        self.stored_blocks += len(copies)
+        return len(copies)
 
     def _slot_groups(self) -> range:
         return range(1 if self.shared_pages else len(self.groups))
@@ -386,21 +393,13 @@ class KVOracle:
         A chunk slot never stored reads as "never written" (zeros), as fresh memory would
         not hold the request's KV either.
         """
-        cpu_ids = np.asarray(cpu_spec.block_ids, np.int64)
-        plan = self._plan(gpu_spec, len(cpu_ids))
-        if plan is None:
-            self.rejected_jobs.append({"job_id": int(job_id), "store": False})
-            return 0
-        copied = 0
-        for group, gids, chunk_pos, sub in plan:
-            dst = self._gpu[group]
+        copies = self._copies(job_id, gpu_spec, cpu_spec, store=False)
+        for group, gpu_block, cpu_block, sub in copies:
+            chunk = self._cpu.get(self._key(group, cpu_block))
             tpb = self.groups[group].tokens_per_block
-            for k in range(len(gids)):
-                chunk = self._cpu.get(self._key(group, int(cpu_ids[chunk_pos[k]])))
-                dst[gids[k]] = chunk[sub[k]] if chunk is not None else np.zeros(tpb, np.int64)
-            copied += len(gids)
-        self.loaded_blocks += copied
-        return copied
+            self._gpu[group][gpu_block] = chunk[sub] if chunk is not None else np.zeros(tpb, np.int64)
+        self.loaded_blocks += len(copies)
+        return len(copies)
 
     def check(self, scheduler_output: Any) -> int:
         """Check every scheduled request's read range (module docstring); returns new offenders."""

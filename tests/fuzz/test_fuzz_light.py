@@ -31,8 +31,10 @@ def test_generated_traces_are_valid_and_round_trip(trace):
     assert again == trace  # Trace.dumps -> parse_trace is the identity on generated traces
     geo = trace.geometry
     assert geo.tokens_per_chunk == geo.tokens_per_block * geo.blocks_per_chunk
-    assert geo.num_gpu_blocks >= strategies.min_gpu_blocks(
-        geo.tokens_per_block, geo.sliding_window, geo.max_model_len, geo.max_num_batched_tokens
+    # the floor of the trace's KV cache groups (the default two, or drawn groups where the
+    # installed vLLM expresses them)
+    assert geo.num_gpu_blocks >= strategies.layout_min_gpu_blocks(
+        geo.kv_groups(), geo.max_model_len, geo.max_num_batched_tokens
     )
     for req in trace.requests:
         assert req.external_hit_tokens is None  # never a driven hit
@@ -246,3 +248,25 @@ def test_progress_on_a_terminal_rewrites_one_line():
     assert stream.getvalue().startswith("\r  fuzz: 1 examples")
     progress.done()
     assert stream.getvalue().endswith("\x1b[K\n")
+
+
+def test_layout_floor_is_the_default_floor_for_the_default_layout():
+    geo = Geometry(tokens_per_block=8, sliding_window=100, max_model_len=512, max_num_batched_tokens=64)
+    assert strategies.layout_min_gpu_blocks(geo.kv_groups(), 512, 64) == strategies.min_gpu_blocks(8, 100, 512, 64)
+    # 64 + min(64, cdiv(99 + 128, 8) + 1 = 30) + 2; extra_retained_tokens widens the window
+    assert strategies.min_gpu_blocks(8, 100, 512, 64) == 96
+    wide = dataclasses.replace(geo, extra_retained_tokens=9)
+    assert strategies.layout_min_gpu_blocks(wide.kv_groups(), 512, 64) == 64 + 31 + 2
+
+
+def test_count_layout_counts_groups_block_sizes_and_extra_retained_tokens():
+    from kvguard.guards.fuzz import runner
+    from kvguard.guards.replay.trace import GroupGeometry
+
+    groups = (GroupGeometry("full", 16), GroupGeometry("sliding_window", 8, 64, 3),
+              GroupGeometry("sliding_window", 16, 128))
+    layouts = runner.new_layout_counts()
+    runner.count_layout(layouts, _trace())  # the default layout: two groups, one block size
+    runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(tokens_per_block=16, groups=groups)))
+    runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(extra_retained_tokens=5)))
+    assert layouts == {"kv_cache_groups": {"2": 2, "3": 1}, "mixed_block_sizes": 1, "extra_retained_tokens": 2}

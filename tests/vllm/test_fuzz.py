@@ -239,6 +239,10 @@ def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
     assert r["wrong_kv_blocks"] == 0
     assert r["kvguard_bugs"] == 0 and code == 0
     assert not any(c["kvguard_bug"] for c in r["classes"])
+    # KV cache layouts are opt-in (--kv-layouts, tests/vllm/test_fuzz_layouts.py): this run
+    # keeps the default two-group layout, and says so
+    assert r["kv_layouts"] is False and r["layouts"]["kv_cache_groups"] == {"2": 200}
+    assert {n["field"] for n in r["not_generated"]} >= {"groups", "extra_retained_tokens"}
 
 
 def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):

@@ -239,19 +239,9 @@ def _window_blocks(cached: int, tpb: int, window: int, extra: int = 0) -> tuple[
     return first, -(-cached // tpb) - first
 
 
-def _has_blocks_per_chunk_key() -> bool:
-    import inspect
-
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config
-    except ImportError:
-        return False
-    return '"blocks_per_chunk"' in inspect.getsource(config)
-
-
 def test_three_groups_with_different_block_sizes(tmp_path) -> None:
     trace = _layout_trace(tmp_path, groups=THREE_GROUPS)
-    if not _has_blocks_per_chunk_key():  # 0.21.0, 0.25.1: the clear error instead
+    if harness.blocks_per_chunk_refusal() is not None:  # 0.21.0, 0.25.1: the clear error instead
         with pytest.raises(RuntimeError, match="blocks_per_chunk"):
             harness.build_engine(trace.geometry)
         return

@@ -1,0 +1,124 @@
+"""`kvguard fuzz --kv-layouts` draws several KV cache groups and ``extra_retained_tokens``
+(issue 10, item 3) only where the installed release, as the replay harness drives it, can
+express them.
+
+Support is the harness's own feature detection (``harness.mixed_block_sizes_refusal``,
+``harness.extra_retained_tokens_refusal``), checked here against vLLM's classes. Where a
+field is drawn, a generated trace with >= 3 groups and ``extra_retained_tokens`` replays
+through ``kvguard replay --trace FILE`` with 0 wrong-KV blocks, and a small guarded
+fixed-seed run generates both with 0 kvguard-caused deaths and 0 lost requests; the
+wrong-KV class it finds (measured on 0.33.0, docs/fuzz.md) is shown to be there unguarded
+too, i.e. not kvguard's. Where a field is not drawn, ``not_generated`` names it with the
+harness's reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, Phase, find, settings
+
+from kvguard.guards.fuzz import runner, strategies
+from kvguard.guards.replay import harness
+from kvguard.guards.replay.trace import Trace, load_trace
+
+pytestmark = pytest.mark.vllm
+
+
+def _has_swa_field(name: str) -> bool:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return name in {f.name for f in dataclasses.fields(SlidingWindowSpec)}
+
+
+def test_layout_support_is_the_harness_feature_detection() -> None:
+    support = strategies.layout_support()
+    assert set(support) == {"groups", "extra_retained_tokens"}
+    assert (support["extra_retained_tokens"] is None) == _has_swa_field("extra_retained_tokens")
+    assert support["groups"] == harness.mixed_block_sizes_refusal()
+    listed = {n["field"]: n["reason"] for n in runner.not_generated(kv_layouts=True)}
+    for field, why in support.items():
+        assert listed.get(field) == why  # listed with the harness's reason exactly when not drawn
+    if not _has_swa_field("extra_retained_tokens"):  # 0.21.0, 0.25.1 (measured)
+        assert "SlidingWindowSpec has no field 'extra_retained_tokens'" in listed["extra_retained_tokens"]
+    if harness.blocks_per_chunk_refusal() is not None:  # 0.21.0, 0.25.1 (measured)
+        assert "blocks_per_chunk" in listed["groups"]
+
+
+def _generated(predicate) -> Trace:
+    """The smallest generated trace that satisfies ``predicate`` (strategies only, no replay)."""
+    return find(
+        strategies.traces(kv_layouts=True),
+        predicate,
+        settings=settings(database=None, derandomize=True, max_examples=400, deadline=None,
+                          phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)),
+    )
+
+
+def _unless_drawn(field: str) -> None:
+    why = strategies.layout_support()[field]
+    if why is not None:
+        pytest.skip(f"{field} is not drawn on this release: {why}")
+
+
+def test_a_generated_three_group_trace_with_extra_retained_tokens_replays(tmp_path) -> None:
+    _unless_drawn("groups")
+    _unless_drawn("extra_retained_tokens")
+
+    def wanted(t: Trace) -> bool:
+        groups = t.geometry.kv_groups()
+        # a first prompt of two chunks of the largest group: vLLM's connector stores it
+        chunk = t.geometry.blocks_per_chunk * max(g.tokens_per_block for g in groups)
+        return (
+            len(groups) >= 3
+            and len({g.tokens_per_block for g in groups}) > 1
+            and any(g.extra_retained_tokens for g in groups)
+            and sum(s.tokens for s in t.requests[0].prompt) >= 2 * chunk
+            and t.geometry.cpu_chunks >= 32  # room in the CPU tier for those stores
+        )
+
+    trace = _generated(wanted)
+    path = tmp_path / "layout.jsonl"
+    path.write_text(trace.dumps(), encoding="utf-8")
+    assert load_trace(str(path)) == trace
+    from kvguard.sidecar.cli import main
+
+    res = CliRunner().invoke(main, ["replay", "--trace", str(path), "--json"], catch_exceptions=False)
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    report = json.loads(line)
+    assert res.exit_code == 0, res.output[-2000:]
+    assert report["engine_survived"] is True and report["stalled"] is False
+    assert report["wrong_kv_blocks"] == 0
+    worker = report["worker"]
+    assert worker["kv_oracle"]["checks"] > 0  # the oracle really looked at the blocks
+    assert worker["kv_oracle"]["stored_blocks"] > 0
+    # every store spec names one block count per KV cache group of the trace
+    assert worker["store_specs"]
+    assert {len(s["group_sizes"]) for s in worker["store_specs"]} == {len(trace.geometry.groups)}
+
+
+def test_default_run_lists_the_layout_fields_as_off() -> None:
+    listed = {n["field"]: n["reason"] for n in runner.not_generated()}
+    assert listed["groups"] == listed["extra_retained_tokens"] == strategies.LAYOUTS_OFF
+
+
+def test_guarded_fuzz_with_kv_layouts(tmp_path) -> None:
+    _unless_drawn("groups")
+    _unless_drawn("extra_retained_tokens")
+    r = runner.fuzz(seed=3, examples=20, guard=True, kv_layouts=True, out_dir=tmp_path, shrink_replays=0)
+    assert r["kv_layouts"] is True and r["examples"] + r["invalid_geometries"] == 20
+    layouts = r["layouts"]
+    assert sum(n for k, n in layouts["kv_cache_groups"].items() if int(k) >= 3) >= 1
+    assert layouts["mixed_block_sizes"] >= 1 and layouts["extra_retained_tokens"] >= 1
+    assert r["kvguard_deaths"] == 0 and r["requests_lost"] == 0
+    for c in r["classes"]:
+        assert c["reproduces"] is True
+        if c["kind"] == "wrong-kv":
+            # the same trace unguarded: vLLM alone serves the same wrong KV (not kvguard's)
+            outcome, result = runner.run_example(load_trace(c["trace"]), guard=False)
+            assert c["class"] in outcome.classes and result.wrong_kv_blocks > 0
+        else:
+            assert not c["kvguard_bug"], c
