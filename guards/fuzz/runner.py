@@ -53,6 +53,13 @@ KNOWN_ISSUES: tuple[tuple[str, str, str], ...] = (
     ("_build_store_jobs", "offload_chunk_ids", "vLLM #49118 / #52170 (keys vs block ids)"),
     ("prepare_store", "KeyError", "vLLM #49635 (store after request finalization)"),
     (
+        "OffloadingConnectorWorker.get_finished",
+        "success",
+        "not a vLLM bug: vLLM does not support failed transfers (worker.py: 'we currently do not "
+        "support job failures'); reached through the worker model's failed transfers, which "
+        "vLLM's CPU<->GPU handler never reports (it answers success=True, in order)",
+    ),
+    (
         "_remove_pending_job",
         "KeyError",
         "vLLM #42761 (a store lists stale sliding-window block ids twice; fixed by PR #42959)",
@@ -153,7 +160,7 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
     from kvguard.guards.replay import harness
 
     try:
-        engine = harness.build_engine(trace.geometry)
+        engine = harness.build_engine(trace.geometry, trace.worker)
     except Exception as exc:
         return ExampleOutcome(invalid=f"{type(exc).__name__}: {exc}"[:300]), None
     model_dir = getattr(engine.scheduler.vllm_config.model_config, "model", None)

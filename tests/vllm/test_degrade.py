@@ -30,6 +30,7 @@ Each test replays a trace twice in one fresh process (``degrade_replay.py``): vL
 from __future__ import annotations
 
 import json
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -48,13 +49,15 @@ SITE_STORE_KEYS = "offloading.scheduler:OffloadingConnectorScheduler._build_stor
 ASSERT_43884 = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * gpu_block_size"
 
 
+@functools.lru_cache(maxsize=None)
 def _two_phase_allocation() -> bool:
     """True when the installed KV cache manager allocates a new request's blocks in two
     phases (PR #44409, the #43884 fix): every group's local hit blocks are added before
     any group's external blocks are allocated, as separate per-group steps
     (``add_local_computed_blocks`` then ``allocate_external_computed_blocks`` on the
     single-type managers). Without them (0.21.0) one ``allocate_new_computed_blocks``
-    call per group touches, extends and allocates external blocks in one go."""
+    call per group touches, extends and allocates external blocks in one go. Asked at
+    test time (a light run collects this module without vLLM)."""
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     return all(
@@ -62,8 +65,6 @@ def _two_phase_allocation() -> bool:
         for name in ("add_local_computed_blocks", "allocate_external_computed_blocks")
     )
 
-
-TWO_PHASE = _two_phase_allocation()
 
 
 def _run(trace: str, *extra: str) -> dict:
@@ -177,7 +178,7 @@ def test_43884_trace_reaches_the_request_class_without_a_driven_hit(local_extern
         assert alloc["external_tokens"] >= 112  # measured: 128 (0.21.0, 0.25.1), 112 (0.33.0)
         assert len(alloc["block_ids"][0]) == (128 + alloc["external_tokens"]) // 16
         assert local == list(range(1, 9))  # short's blocks: its group-0 hit of P[:128]
-        if TWO_PHASE:
+        if _two_phase_allocation():
             assert alloc["doubly_held"] == []
         else:
             # group 0's external blocks are group 1's still untouched hit blocks: one
@@ -190,7 +191,7 @@ def test_43884_trace_reaches_the_request_class_without_a_driven_hit(local_extern
 def test_43884_without_the_guard(local_external):
     r = local_external["no_guard"]
     assert r["wrong_kv_blocks"] == 0
-    if TWO_PHASE:  # fixed upstream: the victim loads its CPU hit and finishes
+    if _two_phase_allocation():  # fixed upstream: the victim loads its CPU hit and finishes
         assert r["ok"], r["error"]
         assert r["requests"] == {"submitted": 5, "finished": 5, "aborted": 0, "failed": 0, "not_arrived": 0}
         assert "victim" in r["loads"] and len(r["outputs"]["victim"]) == 4
@@ -209,7 +210,7 @@ def test_43884_with_the_guard(local_external):
     # the admission check ran on the victim's hit and admitted it whole (it is loadable)
     assert r["checks"]["load_coverage"]["evaluated"] >= 1
     assert r["checks"]["load_coverage"]["hit_reduced"] == 0
-    if TWO_PHASE:  # the guard changes nothing: same outcomes, same tokens, nothing counted
+    if _two_phase_allocation():  # the guard changes nothing: same outcomes, same tokens, nothing counted
         assert r["requests"] == plain["requests"] and r["outputs"] == plain["outputs"]
         assert r["failed_requests"] == [] and r["violations"] == [] and r["events"] == []
         return

@@ -261,3 +261,26 @@ def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
     os.environ.pop(plant.ENV, None)
     outcome, _ = runner.run_example(load_trace(c["trace"]), guard=True)
     assert not outcome.kvguard_death
+
+
+def test_run_example_replays_with_the_traces_worker_model():
+    """The fuzzer explores with the worker model it drew (the same one ``kvguard replay
+    --trace`` uses): a trace whose worker fails its first store dies in vLLM's
+    worker-role ``get_finished`` (vLLM does not support failed transfers), while the same
+    trace with the immediate worker finishes. Before the fix the runner built every engine
+    with the immediate worker, so both outcomes were the second."""
+    import dataclasses
+
+    from kvguard.guards.replay.jobs import WorkerModel
+
+    geo = Geometry(tokens_per_block=8, tokens_per_chunk=8, sliding_window=248, num_gpu_blocks=133,
+                   cpu_chunks=66, max_num_batched_tokens=128, max_num_seqs=4, max_model_len=256)
+    plain = Trace("store-fails", geo, (TraceRequest("a", (Segment(seed=1, tokens=40),), 4),))
+    failing = dataclasses.replace(plain, worker=WorkerModel.from_json({"fail_store_jobs": [0]}))
+    ok_outcome, ok = runner.run_example(plain, guard=False)
+    assert ok.engine_survived and ok.finished == 1 and ok_outcome.findings == []
+    outcome, result = runner.run_example(failing, guard=False)
+    assert not result.engine_survived
+    (finding,) = outcome.findings
+    assert "get_finished" in finding.name and "success" in (result.error or "")
+    assert "does not support failed transfers" in runner.known_issue(finding.name, result.error)
