@@ -71,8 +71,15 @@ def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, 
     if not as_json:
         total = len(trace.requests)
 
+        shown: list[int] = []
+
+        # Whole lines, one each time a request finishes: kvguard's and vLLM's JSON event
+        # lines share stderr, and an open "\r" line glued the next event onto it.
         def progress(finished: int, _total: int, steps: int) -> None:
-            click.echo(f"\r  replaying: {finished}/{total} requests, {steps} steps", err=True, nl=False)
+            if shown and shown[-1] == finished:
+                return
+            shown.append(finished)
+            click.echo(f"  replaying: {finished}/{total} requests, {steps} steps", err=True)
 
     # stdout is redirected while vLLM runs: anything it prints goes to stderr.
     real_stdout = sys.stdout
@@ -85,8 +92,6 @@ def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, 
         sys.exit(1)
     finally:
         sys.stdout = real_stdout
-    if progress is not None:
-        click.echo("", err=True)
     out = report.to_json(result, trace.geometry)
     if as_json:
         real_stdout.write(json.dumps(out) + "\n")

@@ -245,3 +245,22 @@ def test_seed_42945_straddling_store_as_the_worker_gets_it(expected: dict) -> No
         if s["request_id"] == "agent-a/turn-1"
     ]
     assert stores == STRADDLE_STORE[_vllm_version()]
+
+
+def test_text_progress_is_whole_lines() -> None:
+    """Without ``--json`` the progress goes to stderr as whole lines, one per finished
+    request, never a ``\\r`` line that the next JSON event line would be glued onto
+    (found by a newcomer reading ``make demo``'s output)."""
+    script = Path(sys.executable).with_name("kvguard")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+    proc = subprocess.run([str(script), "replay", "--trace", "seed-48959"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("  replaying: ")]
+    finished = [int(ln.split("replaying: ")[1].split("/")[0]) for ln in lines]
+    # one line per finished count: strictly increasing, at most the trace's 4 requests
+    assert finished and finished == sorted(set(finished)) and finished[-1] <= 4
+    # every kvguard event line on stderr is one JSON object on its own line
+    events = [ln for ln in proc.stderr.splitlines() if '"logger": "kvguard"' in ln]
+    assert events and all(json.loads(ln)["logger"] == "kvguard" for ln in events)
