@@ -78,6 +78,12 @@ def test_a_generated_three_group_trace_with_extra_retained_tokens_replays(tmp_pa
             and any(g.extra_retained_tokens for g in groups)
             and sum(s.tokens for s in t.requests[0].prompt) >= 2 * chunk
             and t.geometry.cpu_chunks >= 32  # room in the CPU tier for those stores
+            # the CPU tier alone, synchronously, immediate worker: Hypothesis' smallest draw
+            # of secondary_tiers is one example tier (strategies.secondary_tiers)
+            and t.geometry.secondary_tiers is None
+            and not t.geometry.async_scheduling
+            and t.worker.is_default
+            and t.requests[0].abort_at_step is None  # the smallest abort draw is step 0
         )
 
     trace = _generated(wanted)
