@@ -14,7 +14,8 @@ Hypothesis' shrinker. Why:
 
 Moves, repeated until none helps (each accepted only when ``predicate(candidate)``):
 the immediate worker instead of a worker model (where the trace has one); the
-synchronous scheduler instead of ``async_scheduling``;
+synchronous scheduler instead of ``async_scheduling``; no ``secondary_tiers`` (the CPU
+tier alone: a class that also shows without vLLM's tiering does not depend on it);
 remove a chunk of requests (halves, then quarters, ..., then one at a time, each with
 its dependents); remove a prompt segment; cut all segments of one seed (a shared
 prefix) and then each segment alone to a half, a quarter...; ``max_tokens`` to 1;
@@ -71,6 +72,11 @@ def _candidates(trace: Trace) -> Iterator[Trace]:
     if getattr(trace.geometry, "async_scheduling", False):
         yield dataclasses.replace(
             trace, geometry=dataclasses.replace(trace.geometry, async_scheduling=False)
+        )
+    # 0c. the CPU tier alone instead of vLLM's tiering manager
+    if getattr(trace.geometry, "secondary_tiers", None):
+        yield dataclasses.replace(
+            trace, geometry=dataclasses.replace(trace.geometry, secondary_tiers=None)
         )
     ids = [r.id for r in reqs]
     # 1. remove chunks of requests (ddmin-style: large chunks first)
@@ -134,7 +140,8 @@ def _order(trace: Trace) -> tuple:
     model = getattr(trace, "worker", None)
     busy_worker = int(model is not None and not model.is_default)
     lag = int(getattr(trace.geometry, "async_scheduling", False))
-    return size(trace) + (busy_worker, lag, aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
+    tiers = len(getattr(trace.geometry, "secondary_tiers", None) or ())
+    return size(trace) + (busy_worker, lag, tiers, aborts, sum(1 for r in reqs if r.after), sum(r.arrival_step for r in reqs))
 
 
 @dataclasses.dataclass

@@ -176,6 +176,19 @@ def test_shrinker_respects_its_budget_and_keeps_the_class():
     assert pred(res.trace)
 
 
+def test_shrinker_drops_the_secondary_tier_only_when_the_class_shows_without_it():
+    import dataclasses
+
+    tiered = dataclasses.replace(_trace(), geometry=dataclasses.replace(Geometry(), secondary_tiers=("example",)))
+    any_f0 = lambda t: any(r.id == "f0" for r in t.requests)  # noqa: E731
+    assert shrink.shrink(tiered, any_f0, max_replays=500).trace.geometry.secondary_tiers is None
+    # a class that needs the tier keeps it (and still shrinks the traffic)
+    needs_tier = lambda t: bool(t.geometry.secondary_tiers) and any_f0(t)  # noqa: E731
+    res = shrink.shrink(tiered, needs_tier, max_replays=500)
+    assert res.trace.geometry.secondary_tiers == ("example",)
+    assert [r.id for r in res.trace.requests] == ["f0"]
+
+
 # --- CLI (no vLLM here) ---------------------------------------------------------------
 
 def test_cli_refuses_both_budgets_and_needs_vllm(monkeypatch):
