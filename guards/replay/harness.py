@@ -286,31 +286,44 @@ def _make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
     return config, page
 
 
+#: ``OffloadingSpecFactory`` name of vLLM's CPU spec: the ``spec_name`` its factory uses
+#: when ``kv_connector_extra_config`` names none (0.21.0, 0.25.1, 0.33.0).
+CPU_SPEC_NAME = "CPUOffloadingSpec"
+
+
 def _cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
-    """``cpu_bytes_to_use`` for ``geometry.cpu_chunks`` offloaded blocks.
+    """``cpu_bytes_to_use`` (bytes) for exactly ``geometry.cpu_chunks`` offloaded blocks.
 
     vLLM 0.21/0.25 derive bytes per GPU block from the tensors (one page shared by every
-    layer); 0.33 sums each group's page. Chunks are powers of two, so no alignment
-    padding changes the count of vLLM's CPU spec (its alignment is 1 on 0.25.1, the page
-    size on 0.33.0; a chunk below 4096 bytes there is not corrected here, see
-    docs/replay.md).
-
-    With ``geometry.secondary_tiers`` the spec is vLLM's ``TieringOffloadingSpec``, whose
-    chunks are padded to its ``BLOCK_SIZE_ALIGNMENT`` (the page size of its shared
-    region: 4096 bytes measured on 0.25.1 and 0.33.0), read from the class
-    (:func:`kvguard.guards.replay.tiering.chunk_alignment`); a chunk smaller than that
-    would otherwise leave fewer than ``cpu_chunks`` chunks (0 for ``cpu_chunks`` 1: vLLM
-    then fails to map an empty region).
+    layer); 0.33 sums each group's page. The spec then pads every chunk to its class's
+    ``BLOCK_SIZE_ALIGNMENT`` (``num_chunks = cpu_bytes_to_use // round_up(bytes per
+    chunk, alignment)``), so the bytes are sized from the padded chunk, read from the
+    class the harness configures (:func:`_chunk_alignment`): ``CPUOffloadingSpec``, or
+    ``TieringOffloadingSpec`` with ``geometry.secondary_tiers``. Measured: the CPU spec's
+    alignment is 1 on 0.25.1 (none on 0.21.0) and the page size (4096 bytes) on 0.33.0;
+    the tiering spec's is 4096 bytes on 0.25.1 and 0.33.0. Unpadded, a 2048-byte chunk
+    (4-token blocks, one block per chunk) got half of ``cpu_chunks`` on 0.33.0, and 0
+    chunks for ``cpu_chunks`` 1 (with tiering, vLLM then fails to map an empty region).
     """
+    from kvguard.guards.replay.tiering import SPEC_NAME as TIERING_SPEC_NAME
+
     groups = len(geometry.kv_groups())
     per_block = page if "shared_by" in _tensor_fields() else groups * page
     per_chunk = per_block * geometry.blocks_per_chunk
-    if geometry.secondary_tiers:
-        from kvguard.guards.replay.tiering import chunk_alignment
-
-        align = chunk_alignment()
-        per_chunk = -(-per_chunk // align) * align
+    align = _chunk_alignment(TIERING_SPEC_NAME if geometry.secondary_tiers else CPU_SPEC_NAME)
+    per_chunk = -(-per_chunk // align) * align
     return geometry.cpu_chunks * per_chunk
+
+
+def _chunk_alignment(spec_name: str) -> int:
+    """Bytes vLLM pads one offloaded chunk of spec ``spec_name`` to: the
+    ``BLOCK_SIZE_ALIGNMENT`` of the class ``OffloadingSpecFactory`` registers under that
+    name (1 where the class has none, as on 0.21.0). Raises ``KeyError`` for a name the
+    release does not register."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec_cls = OffloadingSpecFactory._registry[spec_name]()
+    return int(getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
 
 
 def _chunk_size_config(geometry: Geometry) -> dict[str, int]:
