@@ -209,8 +209,10 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
     :data:`MAX_GROUPS` KV cache groups (``geometry.groups``): each full attention or
     sliding window; the first has the flat ``tokens_per_block`` (the block size
     ``blocks_per_chunk`` is taken from), the others one of :data:`TOKENS_PER_BLOCK` (all
-    divide the largest, as the harness's equal page sizes need); a sliding-window group's
-    window is 1..48 of its blocks (sometimes not a multiple); each sliding-window group
+    divide the largest, as the harness's equal page sizes need); the first sliding-window
+    group's window is ``sliding_window`` tokens, each later one's is drawn after the sliding-window
+    group before it as 1..48 blocks of that group's block size (plus 0, 1 or half
+    a block: sometimes not a multiple); each sliding-window group
     gets ``extra_retained_tokens`` where supported. Returns ``{}``, ``{"extra_retained_tokens": N}``
     or ``{"groups": (GroupGeometry, ...)}``.
     """
@@ -455,10 +457,10 @@ def traces(
     true (``kvguard fuzz --immediate-worker`` turns it off: the same examples as on a
     checkout without the worker model). ``geometry.async_scheduling`` (vLLM's
     ``SchedulerConfig.async_scheduling``: ``AsyncScheduler`` behind a batch queue of depth
-    2) is drawn last, half the examples, where ``async_scheduling`` is true and the
+    2) is drawn after the traffic and the worker model, half the examples, where ``async_scheduling`` is true and the
     installed release supports it (:func:`async_scheduling_unsupported`);
     ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
-    the field existed); :func:`secondary_tiers` (drawn last, on a release that has
+    the field existed); :func:`secondary_tiers` (drawn last, after async scheduling, on a release that has
     vLLM's tiering). ``kv_layouts`` (``kvguard fuzz --kv-layouts``) draws
     :func:`kv_cache_layout` where :func:`layout_support` allows it."""
     geo = draw(geometry(kv_layouts=kv_layouts))
