@@ -29,10 +29,7 @@ from kvguard.guards.replay.trace import Trace, load_trace, parse_trace  # noqa: 
 
 SEED_TRACES = ("seed-48959", "seed-42945", "load-evicted-window")
 
-
-# run_replay leaves KVGUARD_DISABLE / the guard behind for the process: the same
-# module-scoped autouse fixture as the worker-model tests restores both
-from test_worker_model import _restore_guard_state  # noqa: E402,F401
+# the guard and KVGUARD_DISABLE are restored after each module by tests/vllm/conftest.py
 
 
 def _async(trace: Trace, on: bool = True) -> Trace:

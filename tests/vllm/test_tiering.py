@@ -27,20 +27,6 @@ WHY = tiering.unsupported_reason()
 needs_tiering = pytest.mark.skipif(WHY is not None, reason=f"no vLLM tiering here: {WHY}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_guard_state():
-    """run_replay sets KVGUARD_DISABLE=1 or installs the guard; leave neither behind."""
-    import os
-
-    saved = os.environ.get("KVGUARD_DISABLE")
-    yield
-    harness.uninstall_guard()
-    if saved is None:
-        os.environ.pop("KVGUARD_DISABLE", None)
-    else:
-        os.environ["KVGUARD_DISABLE"] = saved
-
-
 def _without_tiers(trace):
     return dataclasses.replace(trace, geometry=dataclasses.replace(trace.geometry, secondary_tiers=None))
 

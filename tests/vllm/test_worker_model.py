@@ -28,21 +28,6 @@ FAILED_TRANSFER_ERROR = "AssertionError: assert transfer_result.success"
 FAILED_TRANSFER_SITE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py:"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_guard_state():
-    """run_replay sets KVGUARD_DISABLE=1 (guard off) or installs the guard (guard on) for
-    the whole process; leave neither behind for the next test module."""
-    import os
-
-    saved = os.environ.get("KVGUARD_DISABLE")
-    yield
-    harness.uninstall_guard()
-    if saved is None:
-        os.environ.pop("KVGUARD_DISABLE", None)
-    else:
-        os.environ["KVGUARD_DISABLE"] = saved
-
-
 def _small(worker: dict | None = None, gpu: int = 96, reqs: list[dict] | None = None) -> Trace:
     """r0 is stored, a filler evicts it from the GPU, r1 (r0's prompt + 64) loads it back."""
     header = {
