@@ -25,16 +25,35 @@ job latency, issue 10, calls the same hooks at other times; each hook is self-co
 
 - :meth:`load` (``cpu_spec`` -> ``gpu_spec``): a load job's copy, at its *completion*.
 - :meth:`check` (``scheduler_output``): before the step's compute. For every scheduled
-  request and every KV cache group, every GPU block that vLLM will read for it must hold
-  that request's tokens at those positions. Read range in tokens: ``[0,
-  num_computed_tokens)`` for full attention; ``[max(0, num_computed_tokens -
-  sliding_window + 1 - extra_retained_tokens), num_computed_tokens)`` for a sliding-window
-  group (vLLM's ``get_num_skipped_tokens``: blocks wholly below it are freed to the null
-  block and never read). A null block (id 0) inside the read range is an offender.
+  request and every KV cache group, every GPU block that an attention of this step will
+  read for it must hold that request's tokens at those positions. Read range in tokens
+  (:meth:`GroupLayout.read_start`): ``[0, num_computed_tokens)`` for full attention;
+  ``[max(0, num_computed_tokens - sliding_window + 1 - reprefill), num_computed_tokens)``
+  for a sliding-window group. A null block (id 0) inside the read range is an offender.
   ``num_computed_tokens`` is the value before the step: ``request.num_computed_tokens -
   scheduler_output.num_scheduled_tokens[req_id]`` (vLLM's ``_update_after_schedule``
   already added the scheduled tokens when ``schedule()`` returned), so call it between
   ``schedule()`` and ``update_from_output()``.
+
+  Why that range (vLLM 0.33.0 source): a sliding-window layer's query at position ``p``
+  reads keys ``p - sliding_window + 1 .. p`` (``window_size=(sliding_window - 1, 0)``,
+  ``v1/attention/backends/flash_attn.py:1087``; the same in triton_attn, flashinfer), so
+  the step's first query ``num_computed_tokens`` reads the computed positions from
+  ``num_computed_tokens - sliding_window + 1`` on. ``extra_retained_tokens`` blocks below
+  that are kept by the manager (``get_num_skipped_tokens``,
+  ``v1/core/single_type_kv_cache_manager.py:1148``) "retained (but not attended)"
+  (``SlidingWindowSpec``, ``v1/kv_cache_interface.py:903``): the only reader is the
+  multi-module MTP drafter's rejection re-prefill (vLLM PR #48892; KV cache support PR
+  #50062), which prepends ``num_rejected - 1`` tokens below the step's first position
+  (``v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:517,586``), and only in a
+  step that verified speculative tokens (``num_rejected`` is 0 otherwise,
+  ``v1/worker/gpu/input_batch.py:540``). ``reprefill`` is therefore ``min(extra_retained_tokens,
+  k - 1)`` for a request with ``k`` scheduled speculative tokens
+  (``scheduler_output.scheduled_spec_decode_tokens``; the worst case, as the check runs
+  before the rejection is known) and 0 otherwise. The replay schedules no speculative
+  tokens, so after a GPU prefix-cache hit (``SlidingWindowManager.find_longest_cache_hit``
+  supplies ``cdiv(sliding_window - 1, block_size)`` blocks, null below) the retained
+  blocks are not demanded: that null range is never read (docs/fuzz.md).
 - :meth:`computed_range` / :meth:`computed`: the step's forward writes the scheduled
   tokens ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)`` into the
   request's real block table (``kv_cache_manager.get_block_ids(req_id)``, per group).
@@ -100,11 +119,28 @@ class GroupLayout:
     sliding_window: int | None = None
     extra_retained_tokens: int = 0
 
-    def read_start(self, num_computed_tokens: int) -> int:
-        """First token position vLLM reads (and keeps) for ``num_computed_tokens`` computed."""
+    def kept_start(self, num_computed_tokens: int) -> int:
+        """First token position vLLM's manager keeps for ``num_computed_tokens`` computed
+        (tokens; ``SlidingWindowManager.get_num_skipped_tokens``, window plus
+        ``extra_retained_tokens``). Blocks wholly below it are freed to the null block."""
         if self.sliding_window is None:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
+
+    def read_start(self, num_computed_tokens: int, num_spec_tokens: int = 0) -> int:
+        """First token position an attention of the step reads (tokens), for
+        ``num_computed_tokens`` computed before the step and ``num_spec_tokens`` speculative
+        tokens scheduled for the request in it (module docstring, "Why that range").
+
+        Full attention: 0. Sliding window: ``num_computed_tokens - sliding_window + 1`` (the
+        first query's window), lowered by the multi-module MTP re-prefill,
+        ``min(extra_retained_tokens, num_spec_tokens - 1)`` tokens, in a step with
+        speculative tokens; never below :meth:`kept_start`, never below 0.
+        """
+        if self.sliding_window is None:
+            return 0
+        reprefill = min(self.extra_retained_tokens, max(0, num_spec_tokens - 1))
+        return max(0, num_computed_tokens - self.sliding_window + 1 - reprefill)
 
 
 def layouts_from_kv_cache_config(kv_cache_config: Any) -> list[GroupLayout]:
@@ -407,6 +443,7 @@ class KVOracle:
         new = 0
         requests = self.scheduler.requests
         manager = self.scheduler.kv_cache_manager
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(req_id)
             if req is None:
@@ -414,16 +451,22 @@ class KVOracle:
             computed = int(req.num_computed_tokens) - int(num_scheduled)
             if computed <= 0:
                 continue
-            new += self.check_request(req_id, manager.get_block_ids(req_id), computed)
+            new += self.check_request(req_id, manager.get_block_ids(req_id), computed,
+                                      num_spec_tokens=len(spec.get(req_id, ())))
         return new
 
-    def check_request(self, req_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int) -> int:
-        """Check ``req_id``'s blocks (per group) for positions it has computed; new offenders."""
+    def check_request(
+        self, req_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+        num_spec_tokens: int = 0,
+    ) -> int:
+        """Check ``req_id``'s blocks (per group) for the positions the step's attention reads
+        (:meth:`GroupLayout.read_start`: ``num_computed_tokens`` computed, ``num_spec_tokens``
+        speculative tokens scheduled); returns new offenders."""
         codes = self.token_codes(req_id)
         new = 0
         for group, (layout, table) in enumerate(zip(self.groups, block_ids)):
             tpb = layout.tokens_per_block
-            lo = layout.read_start(num_computed_tokens)
+            lo = layout.read_start(num_computed_tokens, num_spec_tokens)
             first, end = lo // tpb, _cdiv(num_computed_tokens, tpb)
             ids = np.asarray(table[first:end], np.int64)
             if len(ids) < end - first:

@@ -8,6 +8,7 @@ and must be flagged; the unfaulted replay of the same trace must report 0.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -191,6 +192,80 @@ def test_sliding_window_blocks_below_the_window_are_not_read() -> None:
     # read start = 12 - 4 + 1 = 9 -> blocks 4, 5 of the window group
     assert oracle.check_request("r", [list(range(1, 7)), [0, 0, 0, 0, 20, 21]], 12) == 0
     assert oracle.checked_blocks == 6 + 2
+
+
+def test_retained_blocks_below_the_window_are_read_only_by_a_speculative_step() -> None:
+    """``extra_retained_tokens`` blocks are kept by vLLM but attended only by the
+    multi-module MTP re-prefill, in a step with speculative tokens (kv_oracle docstring)."""
+    layouts = [GroupLayout(2), GroupLayout(2, sliding_window=4, extra_retained_tokens=2)]
+    oracle = KVOracle(scheduler=_Requests(), groups=layouts, num_gpu_blocks=64,
+                      blocks_per_chunk=4, vocab_size=100)
+    oracle.token_codes("r", list(range(1, 13)))
+    full = list(range(1, 7))
+    oracle.computed_range("r", 0, full, 0, 12)
+    oracle.computed_range("r", 1, [0, 0, 0, 0, 20, 21], 8, 12)
+    window = layouts[1]
+    # vLLM keeps from 12 - 4 + 1 - 2 = 7 (block 3); the first query reads from 9 (block 4)
+    assert (window.kept_start(12), window.read_start(12)) == (7, 9)
+    assert window.read_start(12, num_spec_tokens=1) == 9  # one draft: nothing re-prefilled
+    assert window.read_start(12, num_spec_tokens=3) == 7  # re-prefill min(2, 3 - 1) = 2
+    assert window.read_start(12, num_spec_tokens=8) == 7  # never below what vLLM keeps
+    tables = [full, [0, 0, 0, 0, 20, 21]]  # block 3 null, as after a GPU prefix hit
+    assert oracle.check_request("r", tables, 12) == 0
+    assert oracle.check_request("r", tables, 12, num_spec_tokens=1) == 0
+    assert oracle.check_request("r", tables, 12, num_spec_tokens=3) == 1
+    assert oracle.wrong_kv[0]["block_index"] == 3
+    assert oracle.wrong_kv[0]["what"] == "expected positions 7..7; found the null block"
+    # the narrowed range still flags a null block the window itself reads
+    other = KVOracle(scheduler=_Requests(), groups=layouts, num_gpu_blocks=64,
+                     blocks_per_chunk=4, vocab_size=100)
+    other.token_codes("r", list(range(1, 13)))
+    other.computed_range("r", 1, [0, 0, 0, 0, 20, 21], 8, 12)
+    assert other.check_request("r", [full, [0, 0, 0, 0, 0, 21]], 12) >= 1
+    assert {(o["group"], o["block_index"]) for o in other.wrong_kv} >= {(1, 4)}
+
+
+EXTRA_RETAINED_TRACE = Path(__file__).parent / "traces" / "extra-retained-gpu-hit-033.jsonl"
+
+
+def test_a_gpu_prefix_hit_leaves_retained_blocks_null_and_no_attention_reads_them() -> None:
+    """The former ``wrong-kv blocks`` class of ``kvguard fuzz --kv-layouts`` (docs/fuzz.md):
+    turn 1 gets a 40-token GPU prefix-cache hit; in the 4-token group (window 32,
+    ``extra_retained_tokens`` 4) ``find_longest_cache_hit`` supplies cdiv(31, 4) = 8 blocks
+    (indices 2..9) and leaves block 1 (positions 4..7) null although vLLM's
+    ``get_num_skipped_tokens(40)`` = 5 keeps it. The step's first query (position 40)
+    reads from 40 - 32 + 1 = 9; no speculative tokens are scheduled, so nothing reads block 1."""
+    from kvguard.guards.fuzz import strategies
+
+    support = strategies.layout_support()
+    for field in ("groups", "extra_retained_tokens"):
+        if support[field] is not None:
+            pytest.skip(f"{field} is not drawn on this release: {support[field]}")
+    trace = load_trace(str(EXTRA_RETAINED_TRACE))
+    harness.uninstall_guard()
+    engine = harness.build_engine(trace.geometry)
+    oracle = engine.worker.oracle
+    seen: list[tuple[str, list[list[int]], int, int]] = []
+    check_request = oracle.check_request
+
+    def recording(req_id, block_ids, num_computed_tokens, num_spec_tokens=0):
+        seen.append((req_id, [list(map(int, g)) for g in block_ids], num_computed_tokens, num_spec_tokens))
+        return check_request(req_id, block_ids, num_computed_tokens, num_spec_tokens=num_spec_tokens)
+
+    oracle.check_request = recording
+    result = harness.run_replay(trace, guard=False, engine=engine)
+    assert result.engine_survived and result.finished == result.submitted == 2, result.error
+    assert result.hits["agent-2/turn-1"] == {"local_hit_tokens": 40, "external_hit_tokens": 0}
+    ((_, tables, computed, spec),) = [c for c in seen if c[0] == "agent-2/turn-1"]
+    assert (computed, spec) == (40, 0)
+    window = oracle.groups[1]
+    assert (window.tokens_per_block, window.sliding_window, window.extra_retained_tokens) == (4, 32, 4)
+    manager = engine.scheduler.kv_cache_manager.coordinator.single_type_managers[1]
+    assert window.kept_start(40) == manager.get_num_skipped_tokens(40) == 5
+    assert tables[1][1] == 0 and all(b != 0 for b in tables[1][2:10])  # block 1 null, 2..9 hit
+    assert window.read_start(40) == 9  # block 2: what the window reads
+    assert window.read_start(40, num_spec_tokens=5) == 5  # an MTP step would read block 1
+    assert result.wrong_kv_blocks == 0 and result.ok, oracle.wrong_kv
 
 
 # -- harness geometry (issue 9, item 6): more groups, block sizes, extra_retained_tokens ----
