@@ -13,13 +13,26 @@ from kvguard.guards.metrics import GuardMetrics, get_metrics
 from guardtools import SITE_SWA_PENDING_BOUND
 
 
+@pytest.fixture
+def window_site_registered():
+    """The window site in the process's site registry, as discovery registers it when the
+    guard installs; the ``site`` label is validated against that registry, so a test that
+    exports it must not depend on an earlier test module having installed the guard."""
+    from kvguard.guards import sites
+
+    sites.register([sites.Site(
+        SITE_SWA_PENDING_BOUND, "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+        "OffloadingConnectorScheduler.update_state_after_alloc", sites.KIND_WINDOW, names.CHECK_SWA_PENDING_BOUND, "", 0,
+    )])
+
+
 def scrape(path) -> CollectorRegistry:
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(path))
     return registry
 
 
-def test_state_dir_files_are_read_by_multiprocess_collector(tmp_path, monkeypatch):
+def test_state_dir_files_are_read_by_multiprocess_collector(tmp_path, monkeypatch, window_site_registered):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     m = GuardMetrics(state_dir=tmp_path)
     m.evaluations("swa_pending_bound", 7)
@@ -107,6 +120,6 @@ def test_unknown_label_values_raise(registry, call):
         call(GuardMetrics(registry=registry))
 
 
-def test_site_gauge_names_its_multiprocess_mode(tmp_path):
+def test_site_gauge_names_its_multiprocess_mode(tmp_path, window_site_registered):
     GuardMetrics(state_dir=tmp_path).site_installed(SITE_SWA_PENDING_BOUND, False)
     assert [p.name.rsplit("_", 1)[0] for p in (tmp_path / "metrics").glob("gauge_*.db")] == ["gauge_max"]
