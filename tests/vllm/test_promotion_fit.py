@@ -115,9 +115,10 @@ def test_with_the_guard_every_request_finishes_with_the_right_kv_and_tokens() ->
 @needs_tiering
 def test_a_reduced_hit_above_zero_loads_only_ready_chunks(monkeypatch) -> None:
     """The first deferral's ready chunks give 0 on this trace; one step later part of the
-    hit is ready (measured on 0.33.0: 64 tokens; on 0.25.1 nothing, the test skips). The check is held back (``seen`` withheld) on the victim's first
-    deferral, so it acts on the second: the admitted hit is > 0, its load runs through
-    vLLM's own ``prepare_load`` and the worker, and the KV oracle finds no wrong block."""
+    hit is ready (measured on 0.33.0: 56 tokens; on 0.25.1 nothing, the test skips). The
+    check is held back (``seen`` withheld) on the victim's first deferral, so it acts on
+    the second: the admitted hit is > 0, its load runs through vLLM's own
+    ``prepare_load`` and the worker, and the KV oracle finds no wrong block."""
     original = admission.admit
     deferrals: list[int] = []
 
