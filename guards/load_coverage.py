@@ -47,7 +47,14 @@ from dataclasses import dataclass
 
 from kvguard.guards.invariants import cdiv
 
-__all__ = ["GroupGeometry", "load_chunk_bounds", "load_chunks", "load_set", "longest_loadable_hit"]
+__all__ = [
+    "GroupGeometry",
+    "load_chunk_bounds",
+    "load_chunks",
+    "load_set",
+    "load_set_size",
+    "longest_loadable_hit",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +141,17 @@ def load_chunks(group: GroupGeometry, num_computed_tokens: int, num_cached_token
 def load_set(groups: Sequence[GroupGeometry], num_computed_tokens: int, num_cached_tokens: int) -> list[range]:
     """Per KV cache group (in ``groups`` order), :func:`load_chunks`."""
     return [load_chunks(g, num_computed_tokens, num_cached_tokens) for g in groups]
+
+
+def load_set_size(groups: Sequence[GroupGeometry], num_computed_tokens: int, num_cached_tokens: int) -> int:
+    """Chunks (offloaded blocks, all groups together) the load of a hit ending at
+    ``num_cached_tokens`` reads: the sum of :func:`load_set`'s range lengths.
+
+    Every group's chunks are distinct offload keys (vLLM's ``make_offload_key`` folds the
+    group index into the key), so this is the number of CPU-tier slots the whole load set
+    occupies at once. ``ValueError`` as :func:`load_chunks`.
+    """
+    return sum(len(chunks) for chunks in load_set(groups, num_computed_tokens, num_cached_tokens))
 
 
 def longest_loadable_hit(

@@ -228,7 +228,8 @@ class GuardMetrics:
                 self._b.counter(n.METRIC_INVARIANT_VIOLATIONS, {n.LABEL_CHECK: check, n.LABEL_ACTION: action}, 0)
         for stage in n.STAGES:
             self._b.counter(n.METRIC_GUARD_ERRORS, {n.LABEL_STAGE: stage}, 0)
-        self._b.counter(n.METRIC_RECOMPUTED_TOKENS, {n.LABEL_CHECK: n.CHECK_LOAD_COVERAGE}, 0)
+        for check in n.RECOMPUTE_CHECKS:
+            self._b.counter(n.METRIC_RECOMPUTED_TOKENS, {n.LABEL_CHECK: check}, 0)
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
     def evaluations(self, check: str, amount: int) -> None:

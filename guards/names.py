@@ -192,3 +192,15 @@ KEY_ADMITTED_HIT_TOKENS = "admitted_hit_tokens"
 KEY_RECOMPUTED_TOKENS = "recomputed_tokens"
 KEY_MISSING_CHUNKS = "missing_chunks"
 KEY_FIRST_MISSING = "first_missing"
+
+# --- promotion fit of a deferred tiered hit (issue 10 finding; kvguard.guards.admission) ---
+#: A hit vLLM's lookup defers for (``None``, "retry later") under vLLM's tiering manager
+#: must have a load set that fits in the primary (CPU) tier: every chunk of it must be
+#: ready there at once for the lookup to answer it.
+CHECK_PROMOTION_FIT = "promotion_fit"
+CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
+#: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
+RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT)
+KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
+KEY_NEEDED_CHUNKS = "needed_chunks"
+KEY_DEFERRED_HIT_TOKENS = "deferred_hit_tokens"

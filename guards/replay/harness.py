@@ -630,6 +630,9 @@ class _HitRecorder:
     Order: vLLM's own lookup, then the cap, then kvguard's admission check
     (:func:`kvguard.guards.admission.admit`, when the guard wraps the lookup), so a
     driven hit passes the same check as any answer of vLLM's lookup (issue 9 item 6).
+    With the guard, vLLM's lookup runs inside :func:`kvguard.guards.admission.record_lookup`
+    (under vLLM's tiering it records the manager's per-chunk answers for the
+    promotion-fit check of a deferred answer), as the guard's own wrapper does.
     The recorded ``external_hit_tokens`` is what the scheduler finally received. The
     wrapped method is vLLM's own; nothing inside vLLM's code is changed.
     """
@@ -645,7 +648,13 @@ class _HitRecorder:
         connector_scheduler.get_num_new_matched_tokens = self
 
     def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
-        answer = self._orig(request, num_computed_tokens, *args, **kwargs)
+        seen = None
+        if self._admitted:
+            answer, seen = self._admission.record_lookup(
+                self._cs, lambda: self._orig(request, num_computed_tokens, *args, **kwargs)
+            )
+        else:
+            answer = self._orig(request, num_computed_tokens, *args, **kwargs)
         hit, load_async = answer
         rid = request.request_id
         target = self.targets.get(rid)
@@ -660,7 +669,7 @@ class _HitRecorder:
                 del self.targets[rid]
                 answer = (want, load_async)
         if self._admitted:
-            answer = self._admission.admit(self._cs, request, num_computed_tokens, answer)
+            answer = self._admission.admit(self._cs, request, num_computed_tokens, answer, seen=seen)
         hit = answer[0]
         if hit is not None:
             self._result.hits[rid] = {
@@ -932,6 +941,10 @@ def run_replay(
         result.checks[names.CHECK_LOAD_COVERAGE] = {
             **result.checks.get(names.CHECK_LOAD_COVERAGE, {}),
             **admission.snapshot(),
+        }
+        result.checks[names.CHECK_PROMOTION_FIT] = {
+            **result.checks.get(names.CHECK_PROMOTION_FIT, {}),
+            **admission.snapshot_promotion_fit(),
         }
         result.guard_errors = runtime.guard_errors()
         result.sites = OffloadGuardInstrumentor().report()
