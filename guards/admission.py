@@ -30,7 +30,7 @@ as much as vLLM's lookup itself (measured on the bench trace: 18-29 us per looku
 chunk of every group is read to find the longest loadable hit.
 
 The interior of a sliding-window load set is read too, although it is most of the cost
-(on the bench trace 16 of the 18 keys read per lookup; warm, 0.33.0, 1 Dec 2026: 2.9 us
+(16 of the 18 keys read in each sampled lookup of the bench trace; warm, 0.33.0, 1 Dec 2026: 2.9 us
 per check, 1.8 us in a variant that read only the window's first and last chunk). It
 would be redundant only where the installed lookup is known to have just confirmed it,
 and that is not derived from the installed code yet: it depends on the lookup's
