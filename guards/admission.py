@@ -29,6 +29,23 @@ as much as vLLM's lookup itself (measured on the bench trace: 18-29 us per looku
 2.3% of step time), so it is opt-in: ``KVGUARD_ADMISSION_FULL=1``. On a failure every
 chunk of every group is read to find the longest loadable hit.
 
+The interior of a sliding-window load set is read too, although it is most of the cost
+(16 of the 18 keys read in each sampled lookup of the bench trace; warm, 0.33.0, 1 Dec 2026: 2.9 us
+per check, 1.8 us in a variant that read only the window's first and last chunk). It
+would be redundant only where the installed lookup is known to have just confirmed it,
+and that is not derived from the installed code yet: it depends on the lookup's
+convergence loop placing the window's run of HIT chunks at the hit's last chunk, not
+only on ``_sliding_window_lookup`` (read in the source: 0.21.0-0.26.0 require
+``cdiv(sliding_window, tokens_per_chunk)`` HIT chunks there, and a hit ending inside a
+chunk loads one chunk more, to the left, that the lookup never looked up; 0.33.0 widens
+the first window by ``load_window_size_in_chunks``), and a driven hit of the replay
+harness moves the load set left of the window the lookup confirmed.
+
+Cost per call (the hot path of :func:`admit`): the chunk bounds are computed inline,
+the plan is read off the scheduler's ``__dict__`` and the counters are incremented
+without a call; measured on 0.33.0 on the bench trace (1 Dec 2026, same process, same
+live state, old and new code interleaved): 2.9 us warm against 3.1 us before.
+
 When every chunk is loadable, vLLM's answer is returned untouched (the same tuple
 object). Otherwise, by policy:
 
@@ -119,7 +136,6 @@ from typing import Any, Callable
 from kvguard.guards import names, runtime
 from kvguard.guards.load_coverage import (
     GroupGeometry,
-    load_chunk_bounds,
     load_set,
     load_set_size,
     longest_loadable_hit,
@@ -138,7 +154,9 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_stats: dict[str, int] = {}
+_STAT_KEYS = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
+#: every key of _STAT_KEYS is always present, so the hot path increments with ``+= 1``
+_stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 _metrics: Any = None
 _events: Any = None
 #: False: the promotion-fit check is off (``KVGUARD_DISABLED_SITES=admission:promotion_fit``)
@@ -168,7 +186,7 @@ def unconfigure() -> None:
 def reset() -> None:
     """Zero the in-process counters of :func:`snapshot`."""
     with _lock:
-        _stats.clear()
+        _stats.update(dict.fromkeys(_STAT_KEYS, 0))
 
 
 def snapshot() -> dict[str, int]:
@@ -176,8 +194,7 @@ def snapshot() -> dict[str, int]:
     ``hit_reduced``, ``continued`` (observe), ``raised`` (strict), ``recomputed_tokens``
     (tokens cut from hits), ``unchecked`` (hits not checkable on this release), and
     ``violations`` (the sum of the three actions)."""
-    keys = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
-    out = {k: _stats.get(k, 0) for k in keys}
+    out = {k: _stats.get(k, 0) for k in _STAT_KEYS}
     out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
     return out
 
@@ -206,8 +223,9 @@ def _bump(key: str, amount: int = 1) -> None:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[GroupGeometry, ...]
-    #: per group (tokens_per_block, blocks_per_chunk, retained tokens or None, is full attention)
-    fast: tuple[tuple[int, int, int | None, bool], ...]
+    #: per group ``(tokens_per_block, blocks_per_chunk, tokens_per_chunk, retained tokens)``,
+    #: retained = sliding_window_tokens + extra_retained_tokens, None for full attention
+    fast: tuple[tuple[int, int, int, int | None], ...]
     #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
     #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
     policy: Any
@@ -325,15 +343,16 @@ def _plan(cs: Any) -> _Plan:
         else:
             raise Unsupported(f"KV cache group kind {kind!r} is not modelled by load_coverage")
     fast = tuple(
-        (g.tokens_per_block, g.blocks_per_chunk,
-         None if g.sliding_window_tokens is None else g.sliding_window_tokens + g.extra_retained_tokens,
-         g.sliding_window_tokens is None)
+        (g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk,
+         None if g.sliding_window_tokens is None else g.sliding_window_tokens + g.extra_retained_tokens)
         for g in groups
     )
     return _Plan(tuple(groups), fast, *_policy_reader(cs.manager))
 
 
-def _get_plan(cs: Any) -> _Plan | None:
+def _get_plan(cs: Any) -> _Plan | Unsupported:
+    """The plan cached on ``cs`` (built on first use), or why this scheduler has none
+    (counted once, as ``kvguard_guard_errors_total{stage="admission"}``)."""
     plan = cs.__dict__.get(_PLAN_ATTR)
     if plan is None:
         try:
@@ -342,7 +361,7 @@ def _get_plan(cs: Any) -> _Plan | None:
             plan = why
             runtime.guard_error(names.STAGE_ADMISSION, why)
         cs.__dict__[_PLAN_ATTR] = plan
-    return plan if isinstance(plan, _Plan) else None
+    return plan
 
 
 # -- readiness of one offload entry ------------------------------------------------------
@@ -424,6 +443,10 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
     deferred answer (``None``) with ``seen`` goes to the promotion-fit check (module
     docstring), which under ``guard`` may answer ``(reduced, reduced > 0)`` instead.
     Raises ``AssertionError`` only under ``strict``.
+
+    The per-group chunk bounds are :func:`kvguard.guards.load_coverage.load_chunk_bounds`
+    written out inline (a Python call per group cost more than the arithmetic; the two
+    are compared over every small geometry in ``tests/guards/test_load_coverage.py``).
     """
     try:
         hit = answer[0]
@@ -431,35 +454,42 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
             return _check_deferred(cs, request, num_computed_tokens, answer, seen)
         if not hit:
             return answer
-        plan = _get_plan(cs)
+        plan = cs.__dict__.get(_PLAN_ATTR) or _get_plan(cs)
         req_status = cs._req_status[request.request_id]
-        if plan is None or getattr(req_status, "partial_tail_boundary", None) is not None:
-            _bump("unchecked")
+        if plan.__class__ is not _Plan or getattr(req_status, "partial_tail_boundary", None) is not None:
+            _stats["unchecked"] += 1
             return answer
-        group_states = req_status.group_states
-        get = plan.getter()
+        _stats["evaluated"] += 1
         num_cached = num_computed_tokens + hit
-        _bump("evaluated")
-        for g, (tpb, bpc, retained, full) in enumerate(plan.fast):
-            first, stop = load_chunk_bounds(tpb, bpc, retained, num_computed_tokens, num_cached)
-            if first == stop:
+        dict_attr = plan.dict_attr
+        get = getattr(plan.policy, dict_attr).get if dict_attr is not None else plan.policy.get
+        for (tpb, bpc, tpc, retained), state in zip(plan.fast, req_status.group_states):
+            # load_chunk_bounds(tpb, bpc, retained, num_computed_tokens, num_cached), inline
+            start = num_computed_tokens // tpb  # first GPU block that is not a local hit
+            if retained is not None:
+                skipped = (num_cached - retained + 1) // tpb  # null blocks of the window
+                if skipped > start:
+                    start = skipped
+            if start * tpb >= num_cached:  # start >= cdiv(num_cached, tpb): no pending block
                 continue
-            group_keys = group_states[g].offload_keys
-            if stop > len(group_keys):
+            stop = -(-num_cached // tpc)
+            keys = state.offload_keys
+            if stop > len(keys):
                 break
-            if full and not _FULL and stop - first > 2:
+            first = start // bpc
+            if retained is None and stop - first > 2 and not _FULL:
                 # full attention: vLLM's lookup is a maximal run of HIT chunks from
                 # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior of
                 # this range was just confirmed; the ends are where a hit could reach past
                 # it (module docstring). KVGUARD_ADMISSION_FULL=1 reads every chunk.
-                span: Any = (group_keys[first], group_keys[stop - 1])
+                span: Any = (keys[first], keys[stop - 1])
             else:
-                span = group_keys[first:stop]
+                span = keys[first:stop]
             if not _span_loadable(get, span):
                 break
         else:
             return answer  # every group loadable: vLLM's answer, the same object
-        return _act(plan, group_states, get, request, num_computed_tokens, hit, answer)
+        return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer)
     except _StrictFailure as failure:
         raise AssertionError(str(failure)) from None
     except Exception as error:  # guard code never takes the engine down
@@ -703,7 +733,7 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
         return answer  # deferred for the request's own transfers in flight, or no lookup ran
     tiering = cs.__dict__.get(_TIERING_ATTR)
     plan = _get_plan(cs)
-    if plan is None or tiering is None:
+    if plan.__class__ is not _Plan or tiering is None:  # _get_plan gives Unsupported, never None
         with _lock:
             _bump(_PF + "unchecked")
         return answer

@@ -209,3 +209,108 @@ def test_span_loadable(entries, expected):
 
     span = ["a", "b"] if entries else []
     assert _span_loadable(entries.get, span) is expected
+
+
+# -- the check's hot path (kvguard.guards.admission.admit) on a stand-in scheduler ------
+class FullAttentionSpec:
+    """Named as vLLM's spec class (the plan matches a group's kind by class name)."""
+
+
+class SlidingWindowSpec:
+    def __init__(self, sliding_window: int, extra_retained_tokens: int = 0):
+        self.sliding_window = sliding_window
+        self.extra_retained_tokens = extra_retained_tokens
+
+
+class _SpyDict(dict):
+    """A policy's dict that records every key the check reads."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.read: list = []
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
+
+
+class _Policy:
+    """The structure the plan accepts: ``get`` is one plain dict read, plus insert/remove."""
+
+    def __init__(self, entries: dict):
+        self.chunks = _SpyDict(entries)
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, entry):
+        self.chunks[key] = entry
+
+    def remove(self, key):
+        del self.chunks[key]
+
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _stand_in_scheduler(tpb: int, bpc: int, sw: int, extra: int, chunks: int, missing=()):
+    specs = [FullAttentionSpec(), SlidingWindowSpec(sw, extra)]
+    keys = [[(g, c) for c in range(chunks)] for g in range(2)]
+    entries = {k: _RefCntEntry(0) for group in keys for k in group if k not in missing}
+    config = _Obj(
+        blocks_per_chunk=bpc,
+        kv_group_configs=[_Obj(kv_cache_spec=s, tokens_per_block=tpb, group_idx=g) for g, s in enumerate(specs)],
+    )
+    status = _Obj(group_states=tuple(_Obj(offload_keys=k) for k in keys))
+    return _Obj(config=config, manager=_Obj(_policy=_Policy(entries)), _req_status={"r": status})
+
+
+@pytest.mark.parametrize("tpb,bpc,sw,extra", [g for g in GRID if g[2] in (1, 3, 17)])
+def test_admit_reads_the_load_set(tpb, bpc, sw, extra):
+    """The inline bounds of ``admit`` equal :func:`load_chunks` for every hit of a grid:
+    every chunk of the sliding-window group's load set is read, and of the
+    full-attention group's, the first and the last (the interior is what vLLM's lookup
+    confirmed); the answer passes through as the same object."""
+    from kvguard.guards import admission
+
+    groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, sw, extra)]
+    tpc = tpb * bpc
+    chunks = 5
+    cs = _stand_in_scheduler(tpb, bpc, sw, extra, chunks)
+    spy = cs.manager._policy.chunks
+    request = _Obj(request_id="r")
+    checked = 0
+    for local in range(0, chunks * tpc, tpb):
+        for end in range(local + 1, chunks * tpc + 1):
+            spy.read.clear()
+            answer = (end - local, True)
+            assert admission.admit(cs, request, local, answer) is answer
+            want = set()
+            for g, rng in enumerate(load_set(groups, local, end)):
+                if g == 0 and len(rng) > 2:
+                    rng = (rng[0], rng[-1])
+                want |= {(g, c) for c in rng}
+            assert set(spy.read) == want, (local, end)
+            checked += 1
+    assert checked >= chunks * (chunks + 1) // 2
+
+
+def test_admit_reduces_a_hit_whose_window_chunk_is_missing():
+    """A window chunk missing inside the sliding-window load set: the hit is reduced to
+    :func:`longest_loadable_hit` (guard, the default policy) and counted."""
+    from kvguard.guards import admission
+
+    tpb, bpc, sw = 4, 2, 20  # chunk 8 tokens; the window's load set is 3-4 chunks
+    cs = _stand_in_scheduler(tpb, bpc, sw, 0, 8, missing={(1, 3)})
+    groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, sw)]
+    admission.reset()
+    answer = (40, True)  # chunks 0..4: the window reads chunks 2..4 (3 is missing)
+    assert 3 in load_set(groups, 0, 40)[1]
+    out = admission.admit(cs, _Obj(request_id="r"), 0, answer)
+    want = longest_loadable_hit(groups, 0, 40, lambda g, c: (g, c) != (1, 3))
+    assert out == (want, want > 0) and want < 40
+    snap = admission.snapshot()
+    assert snap["evaluated"] == 1 and snap["hit_reduced"] == 1 and snap["recomputed_tokens"] == 40 - want
+    admission.reset()
