@@ -184,8 +184,10 @@ def unconfigure() -> None:
 
 
 def reset() -> None:
-    """Zero the in-process counters of :func:`snapshot`."""
+    """Zero the in-process counters of :func:`snapshot` and :func:`snapshot_promotion_fit`
+    (the hot path increments the ``snapshot`` keys in place, so they stay present)."""
     with _lock:
+        _stats.clear()
         _stats.update(dict.fromkeys(_STAT_KEYS, 0))
 
 

@@ -314,3 +314,18 @@ def test_admit_reduces_a_hit_whose_window_chunk_is_missing():
     snap = admission.snapshot()
     assert snap["evaluated"] == 1 and snap["hit_reduced"] == 1 and snap["recomputed_tokens"] == 40 - want
     admission.reset()
+
+
+def test_reset_zeroes_both_checks_counts():
+    """reset() zeroes the promotion-fit counts too (they share the in-process table with
+    the load-coverage counts, whose keys the hot path increments in place)."""
+    from kvguard.guards import admission
+
+    admission._bump(admission._PF + "hit_reduced", 3)
+    admission._bump("hit_reduced", 2)
+    assert admission.snapshot_promotion_fit()["hit_reduced"] == 3 and admission.snapshot()["hit_reduced"] == 2
+    admission.reset()
+    assert admission.snapshot_promotion_fit()["violations"] == 0 and admission.snapshot()["violations"] == 0
+    admission._stats["evaluated"] += 1  # the hot path's in-place increment needs the key present
+    assert admission.snapshot()["evaluated"] == 1
+    admission.reset()
