@@ -134,7 +134,7 @@ MAX_MODEL_LEN = (128, 256, 512, 1024, MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS)
 
 
 @st.composite
-def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool = False) -> Geometry:
+def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool = True) -> Geometry:
     """A KV cache + scheduler geometry (units in the module docstring).
 
     ``max_model_len`` (tokens) is drawn from :data:`MAX_MODEL_LEN` unless given.
@@ -157,8 +157,8 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool
     floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len, max_num_batched_tokens)
     layout: dict[str, object] = {}
     if kv_layouts and any(reason is None for reason in layout_support().values()):
-        # opt-in (``kvguard fuzz --kv-layouts``), and only where the release can express a
-        # field: otherwise nothing more is drawn, so the examples are the ones before
+        # only where the release can express a field (``kvguard fuzz --default-layout``
+        # turns it off): otherwise nothing more is drawn, so the examples are the ones before
         layout = draw(kv_cache_layout(tokens_per_block, sliding_window))
         groups = layout.get("groups") or (
             GroupGeometry("full", tokens_per_block),
@@ -474,7 +474,7 @@ _ASYNC_WHY: object = _UNKNOWN
 @st.composite
 def traces(
     draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = False,
+    kv_layouts: bool = True,
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -485,8 +485,8 @@ def traces(
     installed release supports it (:func:`async_scheduling_unsupported`);
     ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
     the field existed); :func:`secondary_tiers` (drawn last, after async scheduling, on a release that has
-    vLLM's tiering). ``kv_layouts`` (``kvguard fuzz --kv-layouts``) draws
-    :func:`kv_cache_layout` where :func:`layout_support` allows it."""
+    vLLM's tiering). ``kv_layouts`` (default; ``kvguard fuzz --default-layout`` turns it
+    off) draws :func:`kv_cache_layout` where :func:`layout_support` allows it."""
     geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
@@ -504,16 +504,15 @@ def traces(
     )
 
 
-#: Why the KV cache layout fields are off by default (measured on vLLM 0.33.0, 1 Dec 2026).
+#: Why the KV cache layout fields are not drawn with ``kvguard fuzz --default-layout``.
 LAYOUTS_OFF = (
-    "off by default (kvguard fuzz --kv-layouts draws it where the release expresses it): on "
-    "vLLM 0.33.0 drawn layouts give a wrong-KV class with extra_retained_tokens, guarded or "
-    "not (docs/fuzz.md), and they change the examples a seed generates"
+    "--default-layout: full attention + one sliding window of one block size, no "
+    "extra_retained_tokens (without the flag it is drawn where the release expresses it)"
 )
 
 
 def not_generated(
-    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = False
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
     """Fields of issue 10 this generator does not draw in this checkout, each with why.
 
