@@ -45,9 +45,11 @@ from kvguard.guards.replay.command import policy_option
 )
 @click.option(
     "--kv-layouts/--default-layout",
-    default=False,
+    default=True,
     show_default=True,
-    help="also draw KV cache groups and extra_retained_tokens where the release expresses them",
+    help="draw KV cache groups (1..4, mixed block sizes) and one extra_retained_tokens per "
+    "example where the release expresses them; --default-layout keeps full attention + one "
+    "sliding window",
 )
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(

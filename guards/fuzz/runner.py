@@ -279,7 +279,7 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
 
 
 def not_generated(
-    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = False
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
     """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
@@ -289,7 +289,7 @@ def not_generated(
 
 def explorer(
     seed: int, max_examples: int, worker_model: bool, async_scheduling: bool = True,
-    kv_layouts: bool = False,
+    kv_layouts: bool = True,
 ) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
     """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
 
@@ -326,7 +326,7 @@ def explorer(
 
 def generate(
     seed: int, examples: int, *, worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = False, pin: bool = True,
+    kv_layouts: bool = True, pin: bool = True,
 ) -> list[Trace]:
     """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
 
@@ -338,6 +338,10 @@ def generate(
     """
     import contextlib
 
+    from kvguard.guards.fuzz import strategies
+
+    if kv_layouts:
+        strategies.layout_support()  # probed before the draws, as in :func:`fuzz`
     out: list[Trace] = []
 
     @explorer(seed, examples, worker_model, async_scheduling, kv_layouts)
@@ -360,7 +364,7 @@ def fuzz(
     shrink_replays: int = SHRINK_REPLAYS,
     plant: str | None = None,
     worker_model: bool = True,
-    kv_layouts: bool = False,
+    kv_layouts: bool = True,
     progress: Callable[[dict[str, Any]], None] | None = None,
     async_scheduling: bool = True,
 ) -> dict[str, Any]:
@@ -375,7 +379,8 @@ def fuzz(
     ``async_scheduling``: draw ``geometry.async_scheduling`` where the release supports it
     (False: vLLM's synchronous ``Scheduler`` only, the examples of a checkout without it).
     ``kv_layouts``: also draw KV cache groups and ``extra_retained_tokens`` where the
-    release expresses them (:func:`.strategies.kv_cache_layout`; off by default).
+    release expresses them (:func:`.strategies.kv_cache_layout`; default; False:
+    ``--default-layout``, full attention + one sliding window).
     """
     from kvguard.guards.fuzz import strategies
     from kvguard.guards.replay import harness

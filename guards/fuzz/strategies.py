@@ -98,18 +98,34 @@ def layout_min_gpu_blocks(groups: tuple[GroupGeometry, ...], max_model_len: int,
     Per group, in that group's ``tokens_per_block``: full attention
     ``cdiv(max_model_len, tokens_per_block)``; sliding window ``cdiv(sliding_window - 1 +
     extra_retained_tokens + 2 * max_num_batched_tokens, tokens_per_block) + 1``, at most
-    the full count (``extra_retained_tokens`` widens the kept window, as in vLLM 0.33.0's
-    ``SlidingWindowSpec.max_memory_usage_bytes``). Summed, plus the null block and one
-    block of slack.
+    the full count (``extra_retained_tokens`` widens the kept window). Summed, plus the
+    null block and one block of slack.
+
+    At least vLLM's own start-up need, too: the null block plus, per group, full
+    attention's count and a sliding window's ``cdiv(min(sliding_window - 1 +
+    extra_retained_tokens + max_in_flight_tokens, max_model_len), tokens_per_block) + 1``
+    (vLLM 0.29.0 / 0.33.0 ``SlidingWindowSpec.max_admission_blocks_per_request``, read
+    by ``max_memory_usage_bytes``; ``max_in_flight_tokens`` is at most two batches of
+    ``max_num_batched_tokens``, async scheduling's, used here for both). A window whose
+    kept range reaches ``max_model_len`` needs one block more than the full count there
+    (the window may not start at a block boundary); the slack block above covers one such
+    group, so the first sum is the floor for the default two-group layout (unchanged),
+    and with two or more such groups the generator's floor was short of vLLM's check by
+    one block per further group (3 of seed 0's 200 examples on 0.33.0, two capped
+    windows, refused with ``StartupCheck``; measured 1 Dec 2026).
     """
     total = 2
+    need = 1
     for g in groups:
         full = _cdiv(max_model_len, g.tokens_per_block)
+        vllm_need = full
         if g.kind == "sliding_window":
             kept = (g.sliding_window or 0) - 1 + g.extra_retained_tokens + 2 * max_num_batched_tokens
+            vllm_need = _cdiv(min(kept, max_model_len), g.tokens_per_block) + 1
             full = min(full, _cdiv(kept, g.tokens_per_block) + 1)
         total += full
-    return total
+        need += vllm_need
+    return max(total, need)
 
 
 #: ``max_model_len`` values (tokens): a short one makes the GPU pool small, so requests
@@ -118,7 +134,7 @@ MAX_MODEL_LEN = (128, 256, 512, 1024, MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS)
 
 
 @st.composite
-def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool = False) -> Geometry:
+def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool = True) -> Geometry:
     """A KV cache + scheduler geometry (units in the module docstring).
 
     ``max_model_len`` (tokens) is drawn from :data:`MAX_MODEL_LEN` unless given.
@@ -141,8 +157,8 @@ def geometry(draw: st.DrawFn, max_model_len: int | None = None, kv_layouts: bool
     floor = min_gpu_blocks(tokens_per_block, sliding_window, max_model_len, max_num_batched_tokens)
     layout: dict[str, object] = {}
     if kv_layouts and any(reason is None for reason in layout_support().values()):
-        # opt-in (``kvguard fuzz --kv-layouts``), and only where the release can express a
-        # field: otherwise nothing more is drawn, so the examples are the ones before
+        # only where the release can express a field (``kvguard fuzz --default-layout``
+        # turns it off): otherwise nothing more is drawn, so the examples are the ones before
         layout = draw(kv_cache_layout(tokens_per_block, sliding_window))
         groups = layout.get("groups") or (
             GroupGeometry("full", tokens_per_block),
@@ -183,15 +199,21 @@ def layout_support() -> dict[str, str | None]:
     The harness's own checks, by feature detection (cached per process):
     ``groups`` needs :func:`~kvguard.guards.replay.harness.mixed_block_sizes_refusal`
     to be None (groups of different ``tokens_per_block``), ``extra_retained_tokens``
-    :func:`~kvguard.guards.replay.harness.extra_retained_tokens_refusal`. Without vLLM
-    (the light test env) neither is drawn.
+    :func:`~kvguard.guards.replay.harness.extra_retained_tokens_refusal` (the field
+    exists) and :func:`~kvguard.guards.replay.harness.extra_retained_tokens_setter`
+    (the release's code that sets it gives every sliding-window layer one value, so the
+    generator draws one value per example: :func:`kv_cache_layout`). Without vLLM (the
+    light test env) neither is drawn.
     """
     try:
         from kvguard.guards.replay import harness
 
         harness.vllm_version()
+        extra = harness.extra_retained_tokens_refusal()
+        if extra is None:
+            extra = harness.extra_retained_tokens_setter()[1]
         return {
-            "extra_retained_tokens": harness.extra_retained_tokens_refusal(),
+            "extra_retained_tokens": extra,
             "groups": harness.mixed_block_sizes_refusal(),
         }
     except (ImportError, RuntimeError) as exc:
@@ -212,19 +234,21 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
     divide the largest, as the harness's equal page sizes need); the first sliding-window
     group's window is ``sliding_window`` tokens, each later one's is drawn after the sliding-window
     group before it as 1..48 blocks of that group's block size (plus 0, 1 or half
-    a block: sometimes not a multiple); each sliding-window group
-    gets ``extra_retained_tokens`` where supported. Returns ``{}``, ``{"extra_retained_tokens": N}``
-    or ``{"groups": (GroupGeometry, ...)}``.
+    a block: sometimes not a multiple). ``extra_retained_tokens`` is drawn once per
+    example, where supported, and every sliding-window group gets that one value, as vLLM
+    builds it: its KV cache planning sets ``extra_retained_tokens =
+    num_prefill_lookahead_tokens - 1`` (0.33.0; ``num_speculative_tokens - 1`` for
+    multi-module MTP on 0.29.0) on every ``SlidingWindowSpec`` of the engine
+    (:func:`~kvguard.guards.replay.harness.extra_retained_tokens_setter` finds that code;
+    where it does not, the field is not drawn). Returns ``{}``,
+    ``{"extra_retained_tokens": N}`` or ``{"groups": (GroupGeometry, ...)}``.
     """
     support = layout_support()
-    extra_ok = support["extra_retained_tokens"] is None
-
-    def extra_retained(tpb: int) -> int:
-        # MTP keeps a few tokens below the window (num_prefill_lookahead_tokens - 1)
-        return draw(st.sampled_from((0, 0, 1, 2, 3, tpb, tpb + 1))) if extra_ok else 0
-
+    # MTP keeps a few tokens below the window (num_prefill_lookahead_tokens - 1): values
+    # 0..3 and about one GPU block, in the flat tokens_per_block
+    tpb0 = tokens_per_block
+    extra = draw(st.sampled_from((0, 0, 1, 2, 3, tpb0, tpb0 + 1))) if support["extra_retained_tokens"] is None else 0
     if support["groups"] is not None or draw(st.booleans()):
-        extra = extra_retained(tokens_per_block)
         return {"extra_retained_tokens": extra} if extra else {}
     groups = []
     window = sliding_window
@@ -233,7 +257,7 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
         if draw(st.booleans()):
             groups.append(GroupGeometry("full", tpb))
             continue
-        groups.append(GroupGeometry("sliding_window", tpb, window, extra_retained(tpb)))
+        groups.append(GroupGeometry("sliding_window", tpb, window, extra))
         window = draw(st.integers(1, 48)) * tpb + draw(st.sampled_from((0, 0, 0, 1, tpb // 2)))
     return {"groups": tuple(groups)}
 
@@ -450,7 +474,7 @@ _ASYNC_WHY: object = _UNKNOWN
 @st.composite
 def traces(
     draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = False,
+    kv_layouts: bool = True,
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -461,8 +485,8 @@ def traces(
     installed release supports it (:func:`async_scheduling_unsupported`);
     ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
     the field existed); :func:`secondary_tiers` (drawn last, after async scheduling, on a release that has
-    vLLM's tiering). ``kv_layouts`` (``kvguard fuzz --kv-layouts``) draws
-    :func:`kv_cache_layout` where :func:`layout_support` allows it."""
+    vLLM's tiering). ``kv_layouts`` (default; ``kvguard fuzz --default-layout`` turns it
+    off) draws :func:`kv_cache_layout` where :func:`layout_support` allows it."""
     geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
@@ -480,16 +504,15 @@ def traces(
     )
 
 
-#: Why the KV cache layout fields are off by default (measured on vLLM 0.33.0, 1 Dec 2026).
+#: Why the KV cache layout fields are not drawn with ``kvguard fuzz --default-layout``.
 LAYOUTS_OFF = (
-    "off by default (kvguard fuzz --kv-layouts draws it where the release expresses it): on "
-    "vLLM 0.33.0 drawn layouts give a wrong-KV class with extra_retained_tokens, guarded or "
-    "not (docs/fuzz.md), and they change the examples a seed generates"
+    "--default-layout: full attention + one sliding window of one block size, no "
+    "extra_retained_tokens (without the flag it is drawn where the release expresses it)"
 )
 
 
 def not_generated(
-    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = False
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
     """Fields of issue 10 this generator does not draw in this checkout, each with why.
 

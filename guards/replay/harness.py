@@ -366,6 +366,92 @@ def extra_retained_tokens_refusal() -> str | None:
 
 
 @functools.cache
+def extra_retained_tokens_setter() -> tuple[str | None, str | None]:
+    """Where the installed vLLM sets ``SlidingWindowSpec.extra_retained_tokens`` for an
+    engine, if it sets one value for every sliding-window layer: ``(site, None)``, else
+    ``(None, why)``.
+
+    The harness builds its ``KVCacheConfig`` itself and accepts any value per group; what
+    vLLM builds is decided where it plans the KV cache. Found in the installed source (read,
+    never imported, so safe before the guard's import hook), by what the code does, not by
+    file or version: a call ``replace(spec, extra_retained_tokens=NAME)`` inside a ``for``
+    loop whose body tests ``isinstance(..., SlidingWindowSpec)``, where ``NAME`` is bound
+    once in the same function before that loop (so every sliding-window layer gets the
+    same value). Measured: 0.33.0 ``v1/core/kv_cache_planning.py:1636``
+    (``max(0, vllm_config.num_prefill_lookahead_tokens - 1)``, ``get_global_kv_cache_groups``),
+    0.29.0 and 0.32.0 ``v1/core/kv_cache_utils.py`` (``num_speculative_tokens - 1`` for
+    multi-module MTP on 0.29.0); 0.21.0 / 0.25.1 have no such field (no site). Cached.
+
+    ``site`` is ``"vllm/<path>:<line of the NAME binding> in <function>"``.
+    """
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None, "vLLM is not installed"
+    root = Path(spec.origin).parent
+    for path in sorted((root / "v1").rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "extra_retained_tokens=" not in text or "SlidingWindowSpec" not in text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for func in ast.walk(tree):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                line = _shared_retained_binding(func)
+                if line is not None:
+                    rel = path.relative_to(root.parent).as_posix()
+                    return f"{rel}:{line} in {func.name}", None
+    return None, (
+        f"vLLM {vllm_version()}: no code found that sets SlidingWindowSpec.extra_retained_tokens "
+        "from one value for every sliding-window layer, so the layouts vLLM builds with it are "
+        "not known"
+    )
+
+
+def _shared_retained_binding(func: Any) -> int | None:
+    """Line of ``NAME = ...`` in ``func`` where a later ``for`` loop over specs does
+    ``replace(spec, extra_retained_tokens=NAME)`` under ``isinstance(..., SlidingWindowSpec)``
+    (:func:`extra_retained_tokens_setter`), or None."""
+    import ast
+
+    for loop in ast.walk(func):
+        if not isinstance(loop, ast.For):
+            continue
+        tests_swa = any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance"
+            and any(isinstance(a, ast.Name) and a.id == "SlidingWindowSpec" for a in ast.walk(n))
+            for n in ast.walk(loop)
+        )
+        if not tests_swa:
+            continue
+        names = {
+            kw.value.id
+            for n in ast.walk(loop) if isinstance(n, ast.Call)
+            for kw in n.keywords
+            if kw.arg == "extra_retained_tokens" and isinstance(kw.value, ast.Name)
+        }
+        loop_nodes = {id(n) for n in ast.walk(loop)}
+        # rebound inside the loop: a value per layer, not one for all of them
+        names -= {
+            t.id for n in ast.walk(loop) if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Name)
+        }
+        for stmt in ast.walk(func):
+            if (
+                isinstance(stmt, ast.Assign) and id(stmt) not in loop_nodes
+                and stmt.lineno < loop.lineno
+                and any(isinstance(t, ast.Name) and t.id in names for t in stmt.targets)
+            ):
+                return stmt.lineno
+    return None
+
+
+@functools.cache
 def blocks_per_chunk_refusal() -> str | None:
     """Why KV cache groups of different ``tokens_per_block`` cannot be configured, or None.
 

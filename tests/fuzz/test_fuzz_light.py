@@ -283,3 +283,41 @@ def test_count_layout_counts_groups_block_sizes_and_extra_retained_tokens():
     runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(tokens_per_block=16, groups=groups)))
     runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(extra_retained_tokens=5)))
     assert layouts == {"kv_cache_groups": {"2": 2, "3": 1}, "mixed_block_sizes": 1, "extra_retained_tokens": 2}
+
+
+def test_layout_floor_is_at_least_vllms_startup_need_with_two_capped_windows():
+    """Two sliding windows whose kept range reaches max_model_len: vLLM's start-up need
+    (``SlidingWindowSpec.max_admission_blocks_per_request``: ``cdiv(min(window - 1 + extra
+    + in flight, max_model_len), block) + 1`` each, plus full attention and the null block)
+    is 1 + 32 + 33 + 33 = 99 blocks; the old floor gave 2 + 32 + 32 + 32 = 98 (seed 0's 3
+    ``StartupCheck`` geometries on vLLM 0.33.0 were this layout)."""
+    from kvguard.guards.replay.trace import GroupGeometry
+
+    groups = (GroupGeometry("full", 16), GroupGeometry("sliding_window", 16, 736, 1),
+              GroupGeometry("sliding_window", 16, 576, 2))
+    assert strategies.layout_min_gpu_blocks(groups, 512, 64) == 99
+    # one capped window: the slack block covers vLLM's +1, the floor stays 2 + 32 + 32
+    assert strategies.layout_min_gpu_blocks(groups[:2], 512, 64) == 66
+
+
+def test_drawn_layouts_share_one_extra_retained_tokens(monkeypatch):
+    """Where both layout fields are drawn, every sliding-window group of an example gets
+    the same ``extra_retained_tokens`` (vLLM sets one value for every SlidingWindowSpec)."""
+    monkeypatch.setattr(strategies, "layout_support", lambda: {"groups": None, "extra_retained_tokens": None})
+    seen = {"several": 0}
+
+    @SETTINGS
+    @given(strategies.geometry(kv_layouts=True))
+    def check(geo):
+        geo.validate()
+        windows = [g for g in geo.kv_groups() if g.kind == "sliding_window"]
+        assert len({g.extra_retained_tokens for g in windows}) <= 1, geo.to_json()
+        assert geo.num_gpu_blocks >= strategies.layout_min_gpu_blocks(
+            geo.kv_groups(), geo.max_model_len, geo.max_num_batched_tokens)
+        seen["several"] += len(windows) >= 2 and windows[0].extra_retained_tokens > 0
+
+    from kvguard.guards.fuzz import determinism
+
+    with determinism.pinned_constants():  # the draws do not depend on this process's imports
+        hseed(5)(check)()
+    assert seen["several"] >= 1  # the property was exercised, not vacuous

@@ -1,9 +1,11 @@
-"""`kvguard fuzz --kv-layouts` draws several KV cache groups and ``extra_retained_tokens``
-(issue 10, item 3) only where the installed release, as the replay harness drives it, can
-express them.
+"""`kvguard fuzz` draws several KV cache groups and ``extra_retained_tokens`` (issue 10,
+item 3; by default, ``--kv-layouts``) only where the installed release, as the replay
+harness drives it, can express them, and draws the layouts vLLM builds: one
+``extra_retained_tokens`` for every sliding-window group of an example.
 
 Support is the harness's own feature detection (``harness.mixed_block_sizes_refusal``,
-``harness.extra_retained_tokens_refusal``), checked here against vLLM's classes. Where a
+``harness.extra_retained_tokens_refusal``, ``harness.extra_retained_tokens_setter``),
+checked here against vLLM's classes and its KV cache planning code. Where a
 field is drawn, a generated trace with >= 3 groups and ``extra_retained_tokens`` replays
 through ``kvguard replay --trace FILE`` with 0 wrong-KV blocks, and a small guarded
 fixed-seed run generates both with 0 kvguard-caused deaths and 0 lost requests, and on
@@ -11,7 +13,8 @@ fixed-seed run generates both with 0 kvguard-caused deaths and 0 lost requests, 
 window instead of from vLLM's kept range, example 2 of this run was the
 ``extra_retained_tokens`` wrong-KV class, docs/fuzz.md); a wrong-KV class on another
 release is checked to be there unguarded too, i.e. not kvguard's. Where a field is not
-drawn, ``not_generated`` names it with the harness's reason.
+drawn, ``not_generated`` names it with the harness's reason; ``--default-layout`` lists
+both as off.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ def test_layout_support_is_the_harness_feature_detection() -> None:
     assert set(support) == {"groups", "extra_retained_tokens"}
     assert (support["extra_retained_tokens"] is None) == _has_swa_field("extra_retained_tokens")
     assert support["groups"] == harness.mixed_block_sizes_refusal()
-    listed = {n["field"]: n["reason"] for n in runner.not_generated(kv_layouts=True)}
+    site, why = harness.extra_retained_tokens_setter()
+    if _has_swa_field("extra_retained_tokens"):
+        # drawn only where vLLM's own code that sets it is found (measured: 0.33.0, 0.29.0)
+        assert (support["extra_retained_tokens"] is None) == (site is not None)
+    listed = {n["field"]: n["reason"] for n in runner.not_generated()}  # the default: layouts on
     for field, why in support.items():
         assert listed.get(field) == why  # listed with the harness's reason exactly when not drawn
     if not _has_swa_field("extra_retained_tokens"):  # 0.21.0, 0.25.1 (measured)
@@ -118,9 +125,44 @@ def test_a_generated_three_group_trace_with_extra_retained_tokens_replays(tmp_pa
     assert {len(s["group_sizes"]) for s in worker["store_specs"]} == {len(trace.geometry.groups)}
 
 
-def test_default_run_lists_the_layout_fields_as_off() -> None:
-    listed = {n["field"]: n["reason"] for n in runner.not_generated()}
+def test_default_layout_lists_the_layout_fields_as_off() -> None:
+    listed = {n["field"]: n["reason"] for n in runner.not_generated(kv_layouts=False)}
     assert listed["groups"] == listed["extra_retained_tokens"] == strategies.LAYOUTS_OFF
+    assert "--default-layout" in strategies.LAYOUTS_OFF
+
+
+def test_the_setter_found_is_vllms_one_value_for_every_sliding_window_layer() -> None:
+    """The code ``harness.extra_retained_tokens_setter`` names binds one name and gives it
+    to every ``SlidingWindowSpec`` (read from the installed file at the line it names)."""
+    _unless_drawn("extra_retained_tokens")
+    import importlib.util
+    from pathlib import Path
+
+    site, why = harness.extra_retained_tokens_setter()
+    assert why is None and site is not None
+    where, func = site.split(" in ")
+    rel, line = where.rsplit(":", 1)
+    root = Path(importlib.util.find_spec("vllm").origin).parent.parent
+    lines = (root / rel).read_text(encoding="utf-8").splitlines()
+    assert lines[int(line) - 1].strip().startswith("extra_retained_tokens =")
+    body = "\n".join(lines[int(line):int(line) + 12])
+    assert "isinstance(layer_spec, SlidingWindowSpec)" in body
+    assert "extra_retained_tokens=extra_retained_tokens" in body
+    if installed_vllm_version() == "0.33.0":  # read 1 Dec 2026
+        assert site == "vllm/v1/core/kv_cache_planning.py:1636 in get_global_kv_cache_groups"
+
+
+def test_every_sliding_window_group_of_an_example_shares_one_extra_retained_tokens() -> None:
+    """As vLLM builds it (one value for every SlidingWindowSpec of an engine); the seed-3
+    examples do include layouts of two or more sliding windows that keep extra tokens."""
+    _unless_drawn("groups")
+    _unless_drawn("extra_retained_tokens")
+    several = 0
+    for trace in runner.generate(3, 60):
+        windows = [g for g in trace.geometry.kv_groups() if g.kind == "sliding_window"]
+        assert len({g.extra_retained_tokens for g in windows}) <= 1, trace.geometry.to_json()
+        several += len(windows) >= 2 and windows[0].extra_retained_tokens > 0
+    assert several >= 1
 
 
 def test_guarded_fuzz_with_kv_layouts(tmp_path) -> None:
