@@ -86,7 +86,10 @@ ones of the same hit and defers again, and the request waits forever (measured: 
 finding ``tests/vllm/traces/tiering-promotion-loop.jsonl`` on 0.25.1 and 0.33.0, stall
 ``lookup_deferred``; a 48-chunk load set over a 30-chunk CPU tier). When it fits, the
 deferral can end (promotions complete; other requests' pins are released), so the check
-stays silent: it is not a timeout and does not count steps.
+stays silent: it is not a timeout and does not count steps. Fitting is necessary, not
+sufficient: on 0.33.0 a hit that fits is deferred forever when the LRU ranks the request's
+promoted chunks below other ready chunks (``tests/vllm/traces/tiering-request-rank-loop.jsonl``,
+23 chunks over 29; docs/fuzz.md, "A second tiering stall"); no invariant is derived for that.
 
 The hit a deferral waits for is measured from what vLLM's lookup saw: during the
 connector's lookup the manager's ``lookup`` is recorded per offload key

@@ -189,3 +189,41 @@ def test_the_kill_switch_leaves_vllms_deferral(monkeypatch) -> None:
 @pytest.mark.skipif(WHY is None, reason="this release has vLLM's tiering (the tests above run)")
 def test_a_release_without_tiering_skips_with_the_reason() -> None:
     assert "no vllm.v1.kv_offload.tiering package" in WHY
+
+
+RANK_LOOP = load_trace(str(TRACES / "tiering-request-rank-loop.jsonl"))
+RANK_VICTIM = "agent-1/turn-2"
+
+
+def _ranks_by_request() -> bool:
+    """Whether the installed LRU policy ranks an inserted chunk by its request's rank
+    (0.33.0: ``LRUCachePolicy._get_request_rank``, fixed at the request's first insert)."""
+    from vllm.v1.kv_offload.cpu.policies import lru
+
+    return callable(getattr(lru.LRUCachePolicy, "_get_request_rank", None))
+
+
+@needs_tiering
+def test_a_deferral_that_fits_but_loses_to_the_lru_rank_is_not_caught() -> None:
+    """tiering-request-rank-loop.jsonl (a fuzz finding the check misses, docs/fuzz.md):
+    the victim's 208-token hit loads 23 chunks (13 full-attention + 10 sliding-window),
+    within the 29-chunk CPU tier, so ``promotion_fit`` is evaluated and stays silent. On a
+    release whose LRU ranks chunks by request (0.33.0) the request's own promotions evict
+    its own ready chunks (8 later-ranked chunks of finished requests are never chosen)
+    and it is deferred forever; on 0.25.1 (plain LRU) every request finishes. kvguard has
+    no derived invariant for it: this test pins the boundary of the check, not a fix."""
+    from kvguard.guards.load_coverage import GroupGeometry, load_set_size
+
+    groups = [GroupGeometry(8, 2, None, 0), GroupGeometry(8, 2, 156, 0)]
+    assert load_set_size(groups, 0, 208) == 23 <= RANK_LOOP.geometry.cpu_chunks == 29
+    result, delta, fit = _replay(RANK_LOOP, "guard")
+    pf = result.checks[names.CHECK_PROMOTION_FIT]
+    assert pf["evaluated"] > 0 and pf["violations"] == 0 and fit == [] and delta == {}
+    assert result.engine_survived and result.wrong_kv_blocks == 0 and result.guard_errors == {}
+    if _ranks_by_request():
+        assert [(s["request_id"], s["kind"]) for s in result.stalls] == [(RANK_VICTIM, "lookup_deferred")]
+        assert result.finished == result.submitted - 1 == 9
+    else:
+        assert result.ok and not result.stalled and result.finished == result.submitted == 10
+    plain = harness.run_replay(_without_tiers(RANK_LOOP), guard=False)
+    assert plain.ok and not plain.stalled and plain.finished == 10 and plain.wrong_kv_blocks == 0
