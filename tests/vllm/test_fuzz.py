@@ -235,11 +235,13 @@ def only_033():
 def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
     """Seed 0, 200 examples, guard on, KV cache layouts drawn (the default): 0
     kvguard-caused deaths, 0 wrong-KV blocks, no kvguard bug, no geometry vLLM refuses, and
-    no request lost except in vLLM's tiering promotion loop (``stall lookup_deferred``,
-    docs/fuzz.md "Reliability figure", tests/vllm/test_tiering.py): measured 1 Dec 2026,
-    8 requests in 7 examples (109-115), each with two example tiers and the default
-    two-group layout; kvguard did nothing there, the minimal trace stalls the same
-    unguarded and finishes every request without the tiers."""
+    no request lost except in a vLLM tiering stall (``stall lookup_deferred``): measured
+    1 Dec 2026, 8 requests in 7 examples (109-115), each with two example tiers and the
+    default two-group layout, also with the ``promotion_fit`` check merged: 0.33.0's
+    request-ranked LRU lets a deferred request's promotions evict its own ready chunks
+    (docs/fuzz.md "A second tiering stall the check does not catch",
+    tests/vllm/traces/tiering-request-rank-loop.jsonl); kvguard did nothing there, the
+    minimal trace stalls the same unguarded and finishes every request without the tiers."""
     lost: dict[int, int] = {}
     seen = {"requests_lost": 0}
 
