@@ -98,15 +98,6 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def chunk_alignment() -> int:
-    """Bytes an offloaded chunk of vLLM's ``TieringOffloadingSpec`` is padded to: the
-    class's ``BLOCK_SIZE_ALIGNMENT`` (1 where the class has none)."""
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    spec_cls = OffloadingSpecFactory._registry[SPEC_NAME]()
-    return int(getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
-
-
 def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, ...]:
     """Parse a trace's ``secondary_tiers``: a list of tier configs ``{"type": "example"}``.
 
@@ -207,7 +198,7 @@ class TierTap:
             keys = list(job.keys)
             self.cascaded_chunks += len(keys)
             if self.oracle is not None:
-                for key, slot in zip(keys, _slots(job)):
+                for key, slot in zip(keys, _slots(job), strict=True):
                     self.oracle.secondary_store(index, key, slot)
             return store(job)
 
@@ -215,7 +206,7 @@ class TierTap:
             keys = list(job.keys)
             self.promoted_chunks += len(keys)
             if self.oracle is not None:
-                for key, slot in zip(keys, _slots(job)):
+                for key, slot in zip(keys, _slots(job), strict=True):
                     if not self.oracle.secondary_load(index, key, slot):
                         self.promoted_unknown += 1
             return load(job)
