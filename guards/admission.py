@@ -137,6 +137,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvguard.guards import names, runtime
+from kvguard.guards.rewrite import keyword_argument_names
 from kvguard.guards.load_coverage import (
     GroupGeometry,
     load_set,
@@ -623,12 +624,7 @@ def _primary_capacity(primary: Any) -> int:
             tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
         except (OSError, TypeError, SyntaxError):
             continue
-        params = {
-            kw.value.id
-            for node in ast.walk(tree) if isinstance(node, ast.Call)
-            for kw in node.keywords
-            if kw.arg == "cache_capacity" and isinstance(kw.value, ast.Name)
-        }
+        params = keyword_argument_names(tree, "cache_capacity")
         if not params:
             continue
         for node in ast.walk(tree):

@@ -184,6 +184,17 @@ def iter_asserts(tree: ast.Module) -> Iterator[tuple[str, str, int]]:
                 yield qualname, normalize_assert(node), node.lineno
 
 
+def keyword_argument_names(node: ast.AST, keyword: str) -> set[str]:
+    """Names passed as ``keyword=<name>`` to any call under ``node`` (e.g. the variable a
+    constructor hands to ``cache_capacity=``); calls passing an expression are skipped."""
+    return {
+        kw.value.id
+        for n in ast.walk(node) if isinstance(n, ast.Call)
+        for kw in n.keywords
+        if kw.arg == keyword and isinstance(kw.value, ast.Name)
+    }
+
+
 def find_function(
     tree: ast.Module, qualname: str
 ) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[ast.ClassDef]] | None:

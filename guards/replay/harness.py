@@ -419,6 +419,8 @@ def _shared_retained_binding(func: Any) -> int | None:
     (:func:`extra_retained_tokens_setter`), or None."""
     import ast
 
+    from kvguard.guards.rewrite import keyword_argument_names
+
     for loop in ast.walk(func):
         if not isinstance(loop, ast.For):
             continue
@@ -429,12 +431,7 @@ def _shared_retained_binding(func: Any) -> int | None:
         )
         if not tests_swa:
             continue
-        names = {
-            kw.value.id
-            for n in ast.walk(loop) if isinstance(n, ast.Call)
-            for kw in n.keywords
-            if kw.arg == "extra_retained_tokens" and isinstance(kw.value, ast.Name)
-        }
+        names = keyword_argument_names(loop, "extra_retained_tokens")
         loop_nodes = {id(n) for n in ast.walk(loop)}
         # rebound inside the loop: a value per layer, not one for all of them
         names -= {

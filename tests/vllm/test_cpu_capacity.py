@@ -35,7 +35,9 @@ def test_the_cpu_tier_holds_cpu_chunks(tokens_per_chunk: int, cpu_chunks: int) -
     assert harness._cpu_capacity(engine.connector_scheduler) == cpu_chunks
 
 
-@pytest.mark.skipif(tiering.unsupported_reason() is not None, reason="no vLLM tiering on this release")
+@pytest.mark.skipif(
+    tiering.unsupported_reason() is not None, reason=f"no vLLM tiering here: {tiering.unsupported_reason()}"
+)
 def test_the_tiering_cpu_tier_holds_cpu_chunks() -> None:
     engine = harness.build_engine(_geometry(4, 8, ("example",)))
     assert harness._cpu_capacity(engine.connector_scheduler) == 8

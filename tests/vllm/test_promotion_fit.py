@@ -136,7 +136,8 @@ def test_a_reduced_hit_above_zero_loads_only_ready_chunks(monkeypatch) -> None:
     (event,) = fit
     if event["admitted_hit_tokens"] == 0:
         # measured on 0.25.1: at every deferral of this trace (the 1st to the 8th) no chunk
-        # prefix of the hit is ready in both groups, so the answer is 0 and no load runs
+        # prefix of the hit is ready in both groups, so the answer is 0 and no load runs;
+        # 0.26.0 and 0.29.0 skip here too (1 Dec CI rehearsal): proven on 0.33.0 only
         pytest.skip(f"vLLM {harness.vllm_version()}: nothing of the hit is ready at the second deferral")
     assert 0 < event["admitted_hit_tokens"] < event["deferred_hit_tokens"]
     assert result.hits[VICTIM]["external_hit_tokens"] == event["admitted_hit_tokens"]
