@@ -685,7 +685,7 @@ class _LookupRecorder:
         return result
 
 
-def _recorded(tiering: _Tiering, call: Callable[[], Any]) -> tuple[Any, dict | None]:
+def _recorded(tiering: _Tiering, call: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, dict | None]:
     manager = tiering.manager
     try:
         inner = manager.__dict__.get("lookup", _UNSET)
@@ -693,9 +693,9 @@ def _recorded(tiering: _Tiering, call: Callable[[], Any]) -> tuple[Any, dict | N
         manager.lookup = recorder  # an instance attribute: vLLM calls self.manager.lookup
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
-        return call(), None
+        return call(*args, **kwargs), None
     try:
-        answer = call()
+        answer = call(*args, **kwargs)
     finally:
         if inner is _UNSET:
             manager.__dict__.pop("lookup", None)
@@ -704,9 +704,10 @@ def _recorded(tiering: _Tiering, call: Callable[[], Any]) -> tuple[Any, dict | N
     return answer, recorder.seen
 
 
-def record_lookup(cs: Any, call: Callable[[], Any]) -> tuple[Any, dict | None]:
-    """``(call(), seen)``: run vLLM's lookup ``call`` for one request and record what the
-    tiering manager's ``lookup`` answered per offload key (``seen``, for :func:`admit`).
+def record_lookup(cs: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict | None]:
+    """``(call(*args, **kwargs), seen)``: run vLLM's lookup ``call`` for one request and record
+    what the tiering manager's ``lookup`` answered per offload key (``seen``, for :func:`admit`).
+    The arguments are passed through so the wrapper's hot path builds no closure.
 
     ``seen`` is None when ``cs`` has no tiering manager (nothing is wrapped then) or the
     promotion-fit check is off. The manager's own method runs unchanged; the stand-in is
@@ -716,8 +717,8 @@ def record_lookup(cs: Any, call: Callable[[], Any]) -> tuple[Any, dict | None]:
     if tiering is _UNSET:
         tiering = _tiering_of(cs)
     if tiering is None or not _promotion_fit:
-        return call(), None
-    return _recorded(tiering, call)
+        return call(*args, **kwargs), None
+    return _recorded(tiering, call, args, kwargs)
 
 
 def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict) -> Any:
@@ -862,14 +863,7 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     """
     if instance is None:
         return wrapped(*args, **kwargs)
-    tiering = instance.__dict__.get(_TIERING_ATTR, _UNSET)
-    if tiering is _UNSET:
-        tiering = _tiering_of(instance)
-    seen = None
-    if tiering is None or not _promotion_fit:
-        answer = wrapped(*args, **kwargs)
-    else:
-        answer, seen = _recorded(tiering, lambda: wrapped(*args, **kwargs))
+    answer, seen = record_lookup(instance, wrapped, *args, **kwargs)
     try:
         if answer[0] is None:
             if seen is None:

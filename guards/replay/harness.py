@@ -734,7 +734,7 @@ class _HitRecorder:
         seen = None
         if self._admitted:
             answer, seen = self._admission.record_lookup(
-                self._cs, lambda: self._orig(request, num_computed_tokens, *args, **kwargs)
+                self._cs, self._orig, request, num_computed_tokens, *args, **kwargs
             )
         else:
             answer = self._orig(request, num_computed_tokens, *args, **kwargs)
