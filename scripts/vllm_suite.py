@@ -17,7 +17,7 @@ Steps, all in one vLLM environment (the one running this script unless ``--vllm-
 3. Shim 1 (``tests/vllm_suite_shims/vllm_suite_hf_cache.py``): a local Hugging Face
    cache entry for ``facebook/opt-125m``; both runs use ``HF_HOME`` there and
    ``HF_HUB_OFFLINE=1``.
-4. Two pytest runs, same environment, same command, same shims
+4. Two pytest runs, side by side (``--jobs``), same environment, same command, same shims
    (``-p vllm_suite_hybrid_kv -p vllm_suite_session``); only kvguard's settings differ:
    plain ``KVGUARD_DISABLE=1``, guarded ``KVGUARD_POLICY=guard``. Each writes junit XML
    and a session report (kvguard snapshot + ``$KVGUARD_STATE_DIR/metrics`` samples).
@@ -39,11 +39,11 @@ import hashlib
 import io
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -406,8 +406,27 @@ def pytest_command(python: Path, run: Run, extra: list[str]) -> list[str]:
     return cmd
 
 
-def execute(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str], timeout: float) -> None:
-    """Run pytest for ``run`` in ``src`` (the extracted sdist), log to ``run.log``."""
+def execute(runs: list[Run], python: Path, src: Path, hf_home: Path, extra: list[str],
+            timeout: float, jobs: int = 2) -> None:
+    """Run pytest for each of ``runs`` in ``src`` (the extracted sdist), ``jobs`` at a time.
+
+    Each run logs to ``run.log``; its wall and CPU seconds are its own (``os.wait4`` reads
+    the finished child's rusage, so two concurrent runs never mix their CPU time). The
+    runs share only read-only inputs (``src``, ``hf_home``); everything they write is under
+    their own ``run.folder``. ``jobs=2`` (the default) runs plain and guarded side by side:
+    the suite is single-threaded, so on a two-core machine that halves its wall time.
+    Raises ``SetupError`` when a run wrote no junit XML, ``subprocess.TimeoutExpired`` when
+    one ran past ``timeout`` seconds (it is killed first).
+    """
+    pending = list(runs)
+    while pending:
+        batch, pending = pending[:max(1, jobs)], pending[max(1, jobs):]
+        started = [_start(run, python, src, hf_home, extra) for run in batch]
+        for run, proc, log, start in started:
+            _finish(run, proc, log, start, timeout)
+
+
+def _start(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str]):
     if run.folder.exists():
         shutil.rmtree(run.folder)
     run.state_dir.mkdir(parents=True)
@@ -415,24 +434,31 @@ def execute(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str], 
     env = run_env(dict(os.environ), run, hf_home)
     print(f"[{run.name}] {' '.join(f'{k}={v}' for k, v in sorted(run.kvguard_env.items()))} "
           f"{' '.join(cmd[1:])}", flush=True)
-    start, cpu_start = time.monotonic(), _children_cpu()
-    with open(run.log, "wb") as log:
-        proc = subprocess.run(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=timeout, check=False)
+    log = open(run.log, "wb")
+    proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return run, proc, log, time.monotonic()
+
+
+def _finish(run: Run, proc: subprocess.Popen, log, start: float, timeout: float) -> None:
+    # A timer kills a run past its deadline; wait4 then reaps it with its own rusage.
+    timer = threading.Timer(max(0.0, start + timeout - time.monotonic()), proc.kill)
+    timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+        log.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
     run.seconds = time.monotonic() - start
-    run.cpu_seconds = _children_cpu() - cpu_start
+    run.cpu_seconds = usage.ru_utime + usage.ru_stime
+    if run.seconds >= timeout:
+        raise subprocess.TimeoutExpired(proc.args, timeout)
     run.returncode = proc.returncode
     tail = run.log.read_bytes().decode(errors="replace").strip().splitlines()[-1:]
     print(f"[{run.name}] exit {proc.returncode} in {run.seconds:.1f} s wall, {run.cpu_seconds:.1f} s CPU: "
           f"{' '.join(tail)}", flush=True)
     if not run.junit.exists():
         raise SetupError(f"{run.name} run wrote no junit XML; see {run.log}")
-
-
-def _children_cpu() -> float:
-    """User + system CPU seconds of finished child processes (pytest and its children)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def installed_vllm(python: Path) -> str:
@@ -496,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-passed", type=int, default=None,
                         help="fewest passed per run (default: per version, MIN_PASSED)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="pytest runs at a time (default 2: plain and guarded side by side)")
     parser.add_argument("--only", choices=("plain", "guarded"), default=None,
                         help="run one side only (for debugging; never passes the comparison)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -523,8 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         plain = Run("plain", {"KVGUARD_DISABLE": "1"}, work / "runs" / "plain")
         guarded = Run("guarded", {"KVGUARD_POLICY": "guard"}, work / "runs" / "guarded")
         runs = [r for r in (plain, guarded) if args.only in (None, r.name)]
-        for run in runs:
-            execute(run, python, src, hf_home, args.pytest_args, args.timeout)
+        execute(runs, python, src, hf_home, args.pytest_args, args.timeout, args.jobs)
     except (SetupError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"vllm_suite: setup error: {exc}", file=sys.stderr)
         return 2
