@@ -141,7 +141,6 @@ from kvguard.guards.rewrite import keyword_argument_names
 from kvguard.guards.load_coverage import (
     GroupGeometry,
     load_set,
-    load_set_size,
     longest_loadable_hit,
 )
 
@@ -152,8 +151,11 @@ __all__ = [
     "unconfigure",
     "snapshot",
     "snapshot_promotion_fit",
+    "snapshot_promotion_progress",
     "record_lookup",
     "reset",
+    "metrics_sink",
+    "set_metrics_sink",
     "Unsupported",
 ]
 
@@ -165,6 +167,8 @@ _metrics: Any = None
 _events: Any = None
 #: False: the promotion-fit check is off (``KVGUARD_DISABLED_SITES=admission:promotion_fit``)
 _promotion_fit = True
+#: False: the promotion-progress check is off (``KVGUARD_DISABLED_SITES=admission:promotion_progress``)
+_promotion_progress = True
 #: Attribute cached on each connector scheduler instance (its plan or why it has none).
 _PLAN_ATTR = "_kvguard_admission_plan"
 #: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
@@ -175,20 +179,36 @@ class Unsupported(Exception):
     """This release's connector or manager lacks the structure the check needs (message: why)."""
 
 
-def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True) -> None:
+def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True,
+              promotion_progress: bool = True) -> None:
     """Set the metrics sink (a :class:`kvguard.guards.metrics.GuardMetrics`) and events
-    module; ``promotion_fit`` False turns the promotion-fit check off (its kill switch)."""
-    global _metrics, _events, _promotion_fit
-    _metrics, _events, _promotion_fit = metrics, events, bool(promotion_fit)
+    module; ``promotion_fit`` / ``promotion_progress`` False turns that check of deferred
+    tiered hits off (their kill switches)."""
+    global _metrics, _events, _promotion_fit, _promotion_progress
+    _metrics, _events = metrics, events
+    _promotion_fit, _promotion_progress = bool(promotion_fit), bool(promotion_progress)
+
+
+def metrics_sink() -> Any:
+    """The metrics sink :func:`configure` set (None: counters in :func:`snapshot` only)."""
+    return _metrics
+
+
+def set_metrics_sink(metrics: Any) -> None:
+    """Replace only the metrics sink (the fuzz runner's tee of kvguard's decisions); the
+    events module and the kill switches stay as configured."""
+    global _metrics
+    _metrics = metrics
 
 
 def unconfigure() -> None:
-    """Back to no sinks (counters in :func:`snapshot` only), the promotion-fit check on."""
+    """Back to no sinks (counters in :func:`snapshot` only), both deferred-hit checks on."""
     configure(None, None)
 
 
 def reset() -> None:
-    """Zero the in-process counters of :func:`snapshot` and :func:`snapshot_promotion_fit`
+    """Zero the in-process counters of :func:`snapshot`, :func:`snapshot_promotion_fit` and
+    :func:`snapshot_promotion_progress`
     (the hot path increments the ``snapshot`` keys in place, so they stay present)."""
     with _lock:
         _stats.clear()
@@ -211,14 +231,27 @@ def snapshot_promotion_fit() -> dict[str, int]:
     ``hit_reduced``, ``continued``, ``raised``, ``recomputed_tokens`` (tokens of the
     deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read)
     and ``violations``."""
-    keys = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
-    out = {k: _stats.get(_PF + k, 0) for k in keys}
+    return _prefixed_snapshot(_PF)
+
+
+def snapshot_promotion_progress() -> dict[str, int]:
+    """The promotion-progress check's in-process counts since :func:`reset`, same keys as
+    :func:`snapshot_promotion_fit`: ``evaluated`` (deferred lookups compared with the
+    request's previous deferred lookup), ``hit_reduced``, ``continued``, ``raised``,
+    ``recomputed_tokens``, ``unchecked`` (always 0: an unreadable deferral counts under
+    ``promotion_fit``) and ``violations``."""
+    return _prefixed_snapshot(_PP)
+
+
+def _prefixed_snapshot(prefix: str) -> dict[str, int]:
+    out = {k: _stats.get(prefix + k, 0) for k in _STAT_KEYS}
     out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
     return out
 
 
-#: key prefix of the promotion-fit counts in ``_stats``
+#: key prefixes of the promotion-fit and promotion-progress counts in ``_stats``
 _PF = "promotion_fit:"
+_PP = "promotion_progress:"
 
 
 def _bump(key: str, amount: int = 1) -> None:
@@ -456,8 +489,10 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
     """
     try:
         hit = answer[0]
-        if hit is None and seen is not None:
-            return _check_deferred(cs, request, num_computed_tokens, answer, seen)
+        if seen is not None:  # vLLM's tiering manager (record_lookup recorded the lookup)
+            if hit is None:
+                return _check_deferred(cs, request, num_computed_tokens, answer, seen)
+            _forget_ready(cs, request)  # the deferral, if any, ended with this answer
         if not hit:
             return answer
         plan = cs.__dict__.get(_PLAN_ATTR) or _get_plan(cs)
@@ -587,6 +622,8 @@ _UNSET = object()
 #: ``LookupResult`` names that say the manager found the chunk (ready, being written, or
 #: a promotion just started in 0.33) -- compared by name, so no vLLM import is needed.
 _FOUND = frozenset({"HIT", "HIT_PENDING"})
+#: Attribute cached on each connector scheduler instance: :func:`_ready_memory`.
+_READY_ATTR = "_kvguard_ready_keys"
 
 
 @dataclass(frozen=True)
@@ -716,19 +753,22 @@ def record_lookup(cs: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) 
     tiering = cs.__dict__.get(_TIERING_ATTR, _UNSET)
     if tiering is _UNSET:
         tiering = _tiering_of(cs)
-    if tiering is None or not _promotion_fit:
+    if tiering is None or not (_promotion_fit or _promotion_progress):
         return call(*args, **kwargs), None
     return _recorded(tiering, call, args, kwargs)
 
 
 def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict) -> Any:
-    """The promotion-fit check of a deferred answer (``None``) under vLLM's tiering.
+    """The promotion-fit and promotion-progress checks of a deferred answer (``None``)
+    under vLLM's tiering (module docstring).
 
     The chunks the deferred lookup found (``seen`` HIT / HIT_PENDING, or RETRY with an
     entry now in the CPU tier: a promotion started in 0.25) give the hit it waits for: the
     longest hit, up to ``min(num_tokens - 1, len(offload_keys) * tokens_per_chunk)``,
-    whose whole load set was found. When that load set holds more chunks than the CPU
-    tier, vLLM can never answer it (module docstring): act by policy.
+    whose whole load set was found. Promotion fit: when that load set holds more chunks
+    than the CPU tier, vLLM can never answer it. Promotion progress: when a chunk of that
+    load set that was ready (HIT) at the request's previous deferred lookup is not ready
+    now, the wait lost ground. Either acts by policy.
     """
     req_status = cs._req_status[request.request_id]
     if getattr(req_status, "transfer_jobs", None) or not seen:
@@ -739,8 +779,9 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
         with _lock:
             _bump(_PF + "unchecked")
         return answer
-    with _lock:
-        _bump(_PF + "evaluated")
+    if _promotion_fit:
+        with _lock:
+            _bump(_PF + "evaluated")
     group_states = req_status.group_states
     get = plan.getter()
 
@@ -759,9 +800,8 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
     target = longest_loadable_hit(plan.groups, num_computed_tokens, end, found)
     if target <= 0:
         return answer
-    needed = load_set_size(plan.groups, num_computed_tokens, num_computed_tokens + target)
-    if needed <= tiering.capacity:
-        return answer  # it fits: a deferral that can end (promotions complete, pins drop)
+    awaited = load_set(plan.groups, num_computed_tokens, num_computed_tokens + target)
+    needed = sum(len(chunks) for chunks in awaited)
     policy = runtime.policy()
     fields = {
         names.KEY_LOCAL_HIT_TOKENS: num_computed_tokens,
@@ -769,17 +809,62 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
         names.KEY_NEEDED_CHUNKS: needed,
         names.KEY_PRIMARY_CAPACITY_CHUNKS: tiering.capacity,
     }
-    check = names.CHECK_PROMOTION_FIT
-    if policy == names.POLICY_OBSERVE:
-        return _count(check, _PF, request, names.ACTION_CONTINUED, policy, 0, answer,
-                      {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
-    if policy == names.POLICY_STRICT:
-        _count(check, _PF, request, names.ACTION_RAISED, policy, 0, answer, {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
-        raise _StrictFailure(
+    if _promotion_fit and needed > tiering.capacity:
+        return _act_deferred(
+            cs, names.CHECK_PROMOTION_FIT, _PF, plan, req_status, get, request, num_computed_tokens, target,
+            policy, answer, fields,
             f"kvguard promotion_fit: the deferred hit of {target} tokens after {num_computed_tokens} local "
             f"tokens loads {needed} chunks, more than the {tiering.capacity}-chunk primary tier holds: "
-            f"vLLM's tiered lookup can never answer it"
+            f"vLLM's tiered lookup can never answer it",
         )
+    if not _promotion_progress:
+        return answer
+    # it fits: the deferral can end, as long as what became ready stays ready
+    ready_now = []
+    lost = []
+    memory = _ready_memory(cs)
+    previous = memory.get(request.request_id)
+    for group, chunks in enumerate(awaited):
+        group_keys = group_states[group].offload_keys
+        for chunk in chunks:
+            key = group_keys[chunk]
+            if getattr(seen.get(key), "name", None) == "HIT":
+                ready_now.append(key)
+            elif previous is not None and key in previous:
+                lost.append((group, chunk))
+    memory[request.request_id] = frozenset(ready_now)
+    if previous is None:
+        return answer  # the request's first deferred lookup: nothing to compare yet
+    with _lock:
+        _bump(_PP + "evaluated")
+    if not lost:
+        return answer
+    fields[names.KEY_LOST_READY_CHUNKS] = len(lost)
+    fields[names.KEY_FIRST_LOST] = f"group {lost[0][0]} chunk {lost[0][1]}"
+    return _act_deferred(
+        cs, names.CHECK_PROMOTION_PROGRESS, _PP, plan, req_status, get, request, num_computed_tokens, target,
+        policy, answer, fields,
+        f"kvguard promotion_progress: {len(lost)} chunk(s) of the deferred hit of {target} tokens after "
+        f"{num_computed_tokens} local tokens were ready at the previous deferred lookup and are not now "
+        f"(first: group {lost[0][0]} chunk {lost[0][1]}): the wait evicts what it waits for",
+    )
+
+
+def _act_deferred(cs: Any, check: str, prefix: str, plan: _Plan, req_status: Any, get: Any, request: Any,
+                  num_computed_tokens: int, target: int, policy: str, answer: Any, fields: dict[str, Any],
+                  message: str) -> Any:
+    """Act by ``policy`` on a deferred hit of ``target`` tokens that ``check`` failed:
+    observe counts and passes vLLM's ``None`` through; strict raises ``message``; guard
+    answers the longest hit whose load set is ready in the CPU tier now (a chunk another
+    load is reading does not count: vLLM's own lookup delays such a hit), or 0."""
+    if policy == names.POLICY_OBSERVE:
+        return _count(check, prefix, request, names.ACTION_CONTINUED, policy, 0, answer,
+                      {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
+    if policy == names.POLICY_STRICT:
+        _count(check, prefix, request, names.ACTION_RAISED, policy, 0, answer,
+               {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
+        raise _StrictFailure(message)
+    group_states = req_status.group_states
     being_loaded = getattr(cs, "_chunks_being_loaded", None)
     if being_loaded is None:
         being_loaded = getattr(cs, "_blocks_being_loaded", None)
@@ -796,8 +881,31 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
         return entry is not None and bool(entry.is_ready)
 
     reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ready)
-    return _count(check, _PF, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
+    _ready_memory(cs).pop(request.request_id, None)  # the deferral ends with this answer
+    return _count(check, prefix, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
                   {**fields, names.KEY_ADMITTED_HIT_TOKENS: reduced})
+
+
+def _ready_memory(cs: Any) -> dict[str, frozenset]:
+    """``request_id -> offload keys of its awaited load set ready at its last deferred
+    lookup``, kept on the connector scheduler (vLLM's per-request state has ``__slots__``
+    on 0.33). Entries of requests vLLM no longer tracks (finished or aborted while
+    deferred) are dropped whenever it holds more than twice as many as ``_req_status``."""
+    memory = cs.__dict__.get(_READY_ATTR)
+    if memory is None:
+        memory = cs.__dict__[_READY_ATTR] = {}
+    elif len(memory) > 2 * len(cs._req_status) + 16:
+        for request_id in [r for r in memory if r not in cs._req_status]:
+            del memory[request_id]
+    return memory
+
+
+def _forget_ready(cs: Any, request: Any) -> None:
+    """Drop what the promotion-progress check remembered of ``request``'s last deferred
+    lookup: vLLM answered it, so a later deferral (after a preemption) starts afresh."""
+    memory = cs.__dict__.get(_READY_ATTR)
+    if memory:
+        memory.pop(request.request_id, None)
 
 
 # -- the wrap --------------------------------------------------------------------------
@@ -868,7 +976,7 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         if answer[0] is None:
             if seen is None:
                 return answer
-        elif not answer[0]:
+        elif not answer[0] and seen is None:
             return answer
         request, num_computed_tokens = _bind(wrapped, args, kwargs)
     except Exception as error:

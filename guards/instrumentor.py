@@ -21,7 +21,8 @@
    connector's scheduler side) gets a ``wrapt`` wrap of ``get_num_new_matched_tokens``
    that runs the admission check of :mod:`kvguard.guards.admission` on vLLM's answer
    (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
-   ``admission:promotion_fit`` turns off only its check of deferred tiered hits).
+   ``admission:promotion_fit`` / ``admission:promotion_progress`` turn off only that check
+   of deferred tiered hits).
 
 ``uninstall()`` puts back the very same code objects and class attributes, so vLLM is
 restored byte for byte (same function objects, same ``__code__``), removes the injected
@@ -240,7 +241,8 @@ class OffloadGuardInstrumentor:
             return False
         self._state = state
         admission.configure(
-            metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID)
+            metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID),
+            promotion_progress=not settings.site_disabled(PROMOTION_PROGRESS_SITE_ID),
         )
         state.finder = GuardFinder(in_scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
         install_finder(state.finder)
@@ -402,6 +404,8 @@ _NO_CODE = (lambda: None).__code__
 ADMISSION_SITE_ID = "admission:load_coverage"
 #: The kill-switch id of the admission wrapper's promotion-fit check (deferred tiered hits).
 PROMOTION_FIT_SITE_ID = "admission:promotion_fit"
+#: The kill-switch id of its promotion-progress check (a deferral that loses ready chunks).
+PROMOTION_PROGRESS_SITE_ID = "admission:promotion_progress"
 
 
 def _lookup_classes(module: types.ModuleType) -> list[str]:

@@ -199,8 +199,16 @@ KEY_FIRST_MISSING = "first_missing"
 #: ready there at once for the lookup to answer it.
 CHECK_PROMOTION_FIT = "promotion_fit"
 CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
+# --- promotion progress of a deferred tiered hit (issue 10 finding; kvguard.guards.admission) ---
+#: A chunk of the hit a deferred lookup waits for that was ready (HIT) at the request's
+#: previous deferred lookup must still be ready: a wait that evicts what it waits for
+#: need not end (0.33.0's request-ranked LRU; vllm#49902 / PR #50014 pin promoted chunks).
+CHECK_PROMOTION_PROGRESS = "promotion_progress"
+CHECKS = CHECKS + (CHECK_PROMOTION_PROGRESS,)
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
-RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT)
+RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS)
+KEY_LOST_READY_CHUNKS = "lost_ready_chunks"
+KEY_FIRST_LOST = "first_lost"
 KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
 KEY_NEEDED_CHUNKS = "needed_chunks"
 KEY_DEFERRED_HIT_TOKENS = "deferred_hit_tokens"

@@ -77,35 +77,49 @@ def known_issue(name: str, error: str | None) -> str | None:
 
 
 class _ActionTee:
-    """A metrics sink that counts kvguard's decisions (``check:action``) and forwards all calls."""
+    """A metrics sink that counts kvguard's decisions (``check:action``) and forwards all
+    calls (to nothing when ``inner`` is None). ``counts`` may be shared by two tees."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, counts: dict[str, int] | None = None):
         self.inner = inner
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, int] = {} if counts is None else counts
 
     def tolerated(self, check: str) -> None:
         key = f"{check}:tolerated"
         self.counts[key] = self.counts.get(key, 0) + 1
-        self.inner.tolerated(check)
+        if self.inner is not None:
+            self.inner.tolerated(check)
 
     def violation(self, check: str, action: str) -> None:
         key = f"{check}:{action}"
         self.counts[key] = self.counts.get(key, 0) + 1
-        self.inner.violation(check, action)
+        if self.inner is not None:
+            self.inner.violation(check, action)
 
     def __getattr__(self, name: str) -> Any:
+        if self.inner is None:
+            return lambda *args, **kwargs: None
         return getattr(self.inner, name)
 
 
 def _tee() -> _ActionTee:
-    from kvguard.guards import runtime
+    """Tee kvguard's two metrics sinks: the runtime's (assert sites, store drops, request
+    failures) and the admission check's (``load_coverage``, ``promotion_fit``,
+    ``promotion_progress``, configured apart by the instrumentor), into one ``counts``."""
+    from kvguard.guards import admission, runtime
 
     current = runtime.configure()["metrics"]
     if isinstance(current, _ActionTee):
         current.counts.clear()
-        return current
-    tee = _ActionTee(current)
-    runtime.configure(metrics=tee)
+        tee = current
+    else:
+        tee = _ActionTee(current)
+        runtime.configure(metrics=tee)
+    sink = admission.metrics_sink()
+    if isinstance(sink, _ActionTee):
+        sink.counts = tee.counts
+    else:
+        admission.set_metrics_sink(_ActionTee(sink, tee.counts))
     return tee
 
 

@@ -1029,6 +1029,10 @@ def run_replay(
             **result.checks.get(names.CHECK_PROMOTION_FIT, {}),
             **admission.snapshot_promotion_fit(),
         }
+        result.checks[names.CHECK_PROMOTION_PROGRESS] = {
+            **result.checks.get(names.CHECK_PROMOTION_PROGRESS, {}),
+            **admission.snapshot_promotion_progress(),
+        }
         result.guard_errors = runtime.guard_errors()
         result.sites = OffloadGuardInstrumentor().report()
         # true only when the guard really rewrote the offload path (the scheduler module)

@@ -198,7 +198,9 @@ def test_guard_counts(trace: str, expected: dict) -> None:
     # the promotion-fit check (deferred hits under vLLM's tiering) has nothing to do here
     fit = out["checks"]["promotion_fit"]
     assert fit["evaluated"] == 0 and fit["violations"] == 0 and fit["recomputed_tokens"] == 0
-    admission_checks = (names.CHECK_LOAD_COVERAGE, names.CHECK_PROMOTION_FIT)
+    progress = out["checks"]["promotion_progress"]
+    assert progress["evaluated"] == 0 and progress["violations"] == 0
+    admission_checks = (names.CHECK_LOAD_COVERAGE, names.CHECK_PROMOTION_FIT, names.CHECK_PROMOTION_PROGRESS)
     assert {name: c["evaluated"] for name, c in out["checks"].items() if c["evaluated"] is None} == {
         name: None
         for name in names.CHECKS

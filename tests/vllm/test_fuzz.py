@@ -235,13 +235,11 @@ def only_033():
 def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
     """Seed 0, 200 examples, guard on, KV cache layouts drawn (the default): 0
     kvguard-caused deaths, 0 wrong-KV blocks, no kvguard bug, no geometry vLLM refuses, and
-    no request lost except in a vLLM tiering stall (``stall lookup_deferred``): measured
-    1 Dec 2026, 8 requests in 7 examples (109-115), each with two example tiers and the
-    default two-group layout, also with the ``promotion_fit`` check merged: 0.33.0's
+    0 requests lost (issue 10's goal). Before the ``promotion_progress`` check (2 Dec 2026)
+    this run lost 8 requests in 7 examples (109-115) to a vLLM tiering stall: 0.33.0's
     request-ranked LRU lets a deferred request's promotions evict its own ready chunks
-    (docs/fuzz.md "A second tiering stall the check does not catch",
-    tests/vllm/traces/tiering-request-rank-loop.jsonl); kvguard did nothing there, the
-    minimal trace stalls the same unguarded and finishes every request without the tiers."""
+    (docs/fuzz.md "A second tiering stall", tests/vllm/traces/tiering-request-rank-loop.jsonl);
+    the check now answers such a deferral with what is ready, so none is lost."""
     lost: dict[int, int] = {}
     seen = {"requests_lost": 0}
 
@@ -274,22 +272,11 @@ def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
     assert set(expected["kv_cache_groups"]) - {"2"}
     assert expected["mixed_block_sizes"] > 0 and expected["extra_retained_tokens"] > 0
     assert not {n["field"] for n in r["not_generated"]} & {"groups", "extra_retained_tokens"}
-    # requests lost: only where vLLM's tiering runs, and only vLLM's promotion-loop stall
-    assert sum(lost.values()) == r["requests_lost"]
-    assert all(traces[i].geometry.secondary_tiers for i in lost), lost
-    stalls = [c for c in r["classes"] if c["kind"] == "stall"]
-    assert {c["class"] for c in stalls} <= {"stall lookup_deferred"}
-    assert bool(stalls) == bool(lost)
-    for c in stalls:
-        assert c["kvguard_did"] == ["none"] and c["reproduces"] is True
-        minimal = load_trace(c["trace"])
-        assert minimal.geometry.secondary_tiers  # the shrinker could not drop the tiers
-        outcome, _ = runner.run_example(minimal, guard=False)  # vLLM alone: the same stall
-        assert c["class"] in outcome.classes
-        runner.prepare(True, "guard")
-        cpu_only = dataclasses.replace(minimal, geometry=dataclasses.replace(minimal.geometry, secondary_tiers=None))
-        outcome, result = runner.run_example(cpu_only, guard=True)
-        assert outcome.findings == [] and result.finished == result.submitted
+    # no request lost, no stall of any kind; the degrade of the deferral is counted
+    assert lost == {} and r["requests_lost"] == 0
+    assert not [c for c in r["classes"] if c["kind"] == "stall"]
+    tiered = [i for i, t in enumerate(traces) if t.geometry.secondary_tiers]
+    assert {109, 110, 111, 112, 113, 114, 115} <= set(tiered)  # the examples that lost requests before
 
 
 def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):

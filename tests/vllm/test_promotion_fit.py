@@ -69,13 +69,14 @@ def _violations() -> dict[tuple[str, str], float]:
     }
 
 
-def _replay(trace, policy: str):
+def _replay(trace, policy: str, check: str = names.CHECK_PROMOTION_FIT):
+    """``(result, counter deltas per (check, action), the events of check)``."""
     before = _violations()
     with events.capture() as logged:
         result = harness.run_replay(trace, guard=True, policy=policy)
     after = _violations()
     delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    fit = [e for e in logged if e.get("check") == names.CHECK_PROMOTION_FIT]
+    fit = [e for e in logged if e.get("check") == check]
     return result, delta, fit
 
 
@@ -180,10 +181,26 @@ def test_a_promotion_that_fits_is_left_to_vllm() -> None:
 
 
 @needs_tiering
-def test_the_kill_switch_leaves_vllms_deferral(monkeypatch) -> None:
-    monkeypatch.setenv("KVGUARD_DISABLED_SITES", "admission:promotion_fit")
+def test_the_kill_switches_leave_vllms_deferral(monkeypatch) -> None:
+    """Both deferred-hit checks off: vLLM's deferral stands (the stall)."""
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", "admission:promotion_fit,admission:promotion_progress")
     result, delta, fit = _replay(LOOP, "guard")
     assert result.stalled and fit == [] and delta == {}
+    assert result.checks[names.CHECK_PROMOTION_FIT]["evaluated"] == 0
+    assert result.checks[names.CHECK_PROMOTION_PROGRESS]["evaluated"] == 0
+
+
+@needs_tiering
+def test_without_promotion_fit_promotion_progress_ends_the_pigeonhole_loop(monkeypatch) -> None:
+    """promotion_fit off: the pigeonhole loop's promotions evict ready chunks of the same
+    hit, so the second deferred lookup sees a ready chunk lost and ``promotion_progress``
+    answers what is ready (one deferral later than ``promotion_fit`` would)."""
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", "admission:promotion_fit")
+    result, delta, progress = _replay(LOOP, "guard", names.CHECK_PROMOTION_PROGRESS)
+    assert result.ok and not result.stalled and result.finished == 7 and result.wrong_kv_blocks == 0
+    assert delta == {(names.CHECK_PROMOTION_PROGRESS, names.ACTION_HIT_REDUCED): 1.0}
+    (event,) = progress
+    assert event["request_id"] == VICTIM and event["lost_ready_chunks"] > 0
     assert result.checks[names.CHECK_PROMOTION_FIT]["evaluated"] == 0
 
 
@@ -205,26 +222,51 @@ def _ranks_by_request() -> bool:
 
 
 @needs_tiering
-def test_a_deferral_that_fits_but_loses_to_the_lru_rank_is_not_caught() -> None:
-    """tiering-request-rank-loop.jsonl (a fuzz finding the check misses, docs/fuzz.md):
-    the victim's 208-token hit loads 23 chunks (13 full-attention + 10 sliding-window),
-    within the 29-chunk CPU tier, so ``promotion_fit`` is evaluated and stays silent. On a
-    release whose LRU ranks chunks by request (0.33.0) the request's own promotions evict
-    its own ready chunks (8 later-ranked chunks of finished requests are never chosen)
-    and it is deferred forever; on 0.25.1 (plain LRU) every request finishes. kvguard has
-    no derived invariant for it: this test pins the boundary of the check, not a fix."""
+def test_a_deferral_that_evicts_its_own_ready_chunks_is_answered_with_what_is_ready() -> None:
+    """tiering-request-rank-loop.jsonl (a fuzz finding, docs/fuzz.md): the victim's
+    208-token hit loads 23 chunks (13 full-attention + 10 sliding-window), within the
+    29-chunk CPU tier, so ``promotion_fit`` is silent. On a release whose LRU ranks chunks
+    by request (0.33.0) the request's own promotions evict its own ready chunks and, without
+    the guard, it is deferred forever; on 0.25.1 (plain LRU) every request finishes. With
+    the guard ``promotion_progress`` sees a ready chunk of the awaited load set lost between
+    two deferred lookups and answers what is ready: every request finishes, with the right
+    KV and the tokens of a run without the secondary tiers."""
     from kvguard.guards.load_coverage import GroupGeometry, load_set_size
 
     groups = [GroupGeometry(8, 2, None, 0), GroupGeometry(8, 2, 156, 0)]
     assert load_set_size(groups, 0, 208) == 23 <= RANK_LOOP.geometry.cpu_chunks == 29
-    result, delta, fit = _replay(RANK_LOOP, "guard")
-    pf = result.checks[names.CHECK_PROMOTION_FIT]
-    assert pf["evaluated"] > 0 and pf["violations"] == 0 and fit == [] and delta == {}
-    assert result.engine_survived and result.wrong_kv_blocks == 0 and result.guard_errors == {}
+    unguarded = harness.run_replay(RANK_LOOP, guard=False)
     if _ranks_by_request():
-        assert [(s["request_id"], s["kind"]) for s in result.stalls] == [(RANK_VICTIM, "lookup_deferred")]
-        assert result.finished == result.submitted - 1 == 9
+        assert [(s["request_id"], s["kind"]) for s in unguarded.stalls] == [(RANK_VICTIM, "lookup_deferred")]
+        assert unguarded.finished == unguarded.submitted - 1 == 9
     else:
-        assert result.ok and not result.stalled and result.finished == result.submitted == 10
+        assert unguarded.ok and not unguarded.stalled and unguarded.finished == 10
+    result, delta, progress = _replay(RANK_LOOP, "guard", names.CHECK_PROMOTION_PROGRESS)
+    assert result.ok and not result.stalled and result.finished == result.submitted == 10, result.error
+    assert result.wrong_kv_blocks == 0 and result.guard_errors == {}
+    assert result.checks[names.CHECK_PROMOTION_FIT]["evaluated"] > 0
+    assert result.checks[names.CHECK_PROMOTION_FIT]["violations"] == 0
+    pp = result.checks[names.CHECK_PROMOTION_PROGRESS]
+    assert pp["hit_reduced"] >= 1 and pp["violations"] == pp["hit_reduced"] <= pp["evaluated"]
+    assert delta == {(names.CHECK_PROMOTION_PROGRESS, names.ACTION_HIT_REDUCED): float(pp["hit_reduced"])}
+    assert len(progress) == pp["hit_reduced"]
+    assert sum(e["recomputed_tokens"] for e in progress) == pp["recomputed_tokens"]
+    for event in progress:
+        # the invariant as measured: ready chunks lost, and the load set fits (not promotion_fit's case)
+        assert event["lost_ready_chunks"] > 0 and event["needed_chunks"] <= event["primary_capacity_chunks"] == 29
+        assert event["recomputed_tokens"] == event["deferred_hit_tokens"] - event["admitted_hit_tokens"]
+    if _ranks_by_request():
+        assert RANK_VICTIM in {e["request_id"] for e in progress}
     plain = harness.run_replay(_without_tiers(RANK_LOOP), guard=False)
     assert plain.ok and not plain.stalled and plain.finished == 10 and plain.wrong_kv_blocks == 0
+    assert result.outputs == plain.outputs
+
+
+@needs_tiering
+def test_promotion_progress_strict_raises_at_the_second_deferral() -> None:
+    result, delta, progress = _replay(RANK_LOOP, "strict", names.CHECK_PROMOTION_PROGRESS)
+    if not _ranks_by_request() and not progress:
+        pytest.skip(f"vLLM {harness.vllm_version()}: no deferral of this trace loses a ready chunk")
+    assert not result.engine_survived
+    assert "kvguard promotion_progress" in (result.error or "") and "AssertionError" in result.error
+    assert delta == {(names.CHECK_PROMOTION_PROGRESS, names.ACTION_RAISED): 1.0}
