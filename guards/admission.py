@@ -89,7 +89,34 @@ deferral can end (promotions complete; other requests' pins are released), so th
 stays silent: it is not a timeout and does not count steps. Fitting is necessary, not
 sufficient: on 0.33.0 a hit that fits is deferred forever when the LRU ranks the request's
 promoted chunks below other ready chunks (``tests/vllm/traces/tiering-request-rank-loop.jsonl``,
-23 chunks over 29; docs/fuzz.md, "A second tiering stall"); no invariant is derived for that.
+23 chunks over 29; docs/fuzz.md, "A second tiering stall"): the next check is for that.
+
+Promotion progress (check ``promotion_progress``): a deferral that evicts what it waits for
+-------------------------------------------------------------------------------------------
+
+Invariant: *a chunk of the awaited load set that was ready (HIT) at the request's
+previous deferred lookup is still ready at this one*. A deferral is worth waiting for
+while what became ready stays ready: then every step adds ready chunks and the wait ends
+once the promotions complete. When a ready chunk of the same hit is gone (evicted from the
+CPU tier, seen again as RETRY / HIT_PENDING: its promotion restarted), the wait lost
+ground and nothing bounds it: on 0.33.0 the request-ranked LRU
+(``cpu/policies/lru.py``: a chunk ranks by ``(request rank, -position)``, the rank fixed
+at the request's first insert) makes each step's promotions evict the request's own ready
+chunks, forever. Upstream the same rule is the fix proposed for vllm#49902 (PR #50014:
+pin a promoted chunk until the waiting request reads it). The check compares the ready
+keys of the awaited load set (the hit of the promotion-fit check, below, from ``seen``)
+with those kept from the request's previous deferred lookup (:func:`_ready_memory`, on
+the connector scheduler; dropped when a lookup of the request is answered, so a
+deferral after a preemption starts afresh). It is evaluated from a request's second
+deferred lookup on, after ``promotion_fit`` (which acts one deferral earlier on the
+hits that can never fit); actions and the reduced answer are those of ``promotion_fit``
+(table below, ``check="promotion_progress"``). What it costs when the wait would have
+ended anyway (a chunk evicted by other requests' stores, re-promoted in time): the
+recompute of the part not ready, never wrong KV. Measured: ``tiering-request-rank-loop.jsonl``
+on 0.33.0 stalls without it and finishes every request with it, same tokens as without
+the tiers; on 0.25.1 (plain LRU) the same trace finishes either way and the check also
+answers some deferrals early (``tests/vllm/test_promotion_fit.py``). Kill switch:
+``KVGUARD_DISABLED_SITES=admission:promotion_progress``.
 
 The hit a deferral waits for is measured from what vLLM's lookup saw: during the
 connector's lookup the manager's ``lookup`` is recorded per offload key
