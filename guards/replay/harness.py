@@ -96,6 +96,9 @@ class ReplayResult:
     steps: int = 0
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
+    #: the same intervals in this thread's CPU time (``time.thread_time``): what a step
+    #: cost the engine's thread, without the time other processes held the core
+    step_cpu_s: list[float] = field(default_factory=list)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per stage, exceptions inside kvguard code during the replay (runtime.guard_errors())
     guard_errors: dict[str, int] = field(default_factory=dict)
@@ -953,16 +956,21 @@ def run_replay(
                 drain_steps += 1
 
             placeholders = queue.before_schedule(scheduler)
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             sched_out = scheduler.schedule()
             t1 = time.perf_counter()
+            c1 = time.thread_time()
             queue.after_schedule(sched_out, placeholders)
             model_out = engine.worker.execute(sched_out)
+            c2 = time.thread_time()
             t2 = time.perf_counter()
             for done_out in queue.push(sched_out, model_out, scheduler.has_requests()):
                 scheduler.update_from_output(*done_out)
             t3 = time.perf_counter()
+            c3 = time.thread_time()
             result.step_times_s.append((t1 - t0) + (t3 - t2))
+            result.step_cpu_s.append((c1 - c0) + (c3 - c2))
             result.steps = step + 1
             for rid in getattr(sched_out, "preempted_req_ids", None) or ():
                 result.preemptions[rid] = result.preemptions.get(rid, 0) + 1
