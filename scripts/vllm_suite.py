@@ -421,9 +421,21 @@ def execute(runs: list[Run], python: Path, src: Path, hf_home: Path, extra: list
     pending = list(runs)
     while pending:
         batch, pending = pending[:max(1, jobs)], pending[max(1, jobs):]
-        started = [_start(run, python, src, hf_home, extra) for run in batch]
-        for run, proc, log, start in started:
-            _finish(run, proc, log, start, timeout)
+        started = {}
+        for run in batch:
+            run_, proc, log, start = _start(run, python, src, hf_home, extra)
+            started[proc.pid] = (run_, proc, log, start, _killer(proc, timeout))
+        while started:  # reap in the order they end, so each run's wall time is its own
+            pid, status, usage = os.wait4(-1, 0)
+            if pid in started:
+                _finish(*started.pop(pid), status, usage, timeout)
+
+
+def _killer(proc: subprocess.Popen, timeout: float) -> threading.Timer:
+    timer = threading.Timer(timeout, proc.kill)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _start(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str]):
@@ -439,15 +451,10 @@ def _start(run: Run, python: Path, src: Path, hf_home: Path, extra: list[str]):
     return run, proc, log, time.monotonic()
 
 
-def _finish(run: Run, proc: subprocess.Popen, log, start: float, timeout: float) -> None:
-    # A timer kills a run past its deadline; wait4 then reaps it with its own rusage.
-    timer = threading.Timer(max(0.0, start + timeout - time.monotonic()), proc.kill)
-    timer.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-        log.close()
+def _finish(run: Run, proc: subprocess.Popen, log, start: float, timer: threading.Timer,
+            status: int, usage, timeout: float) -> None:
+    timer.cancel()
+    log.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
     run.seconds = time.monotonic() - start
     run.cpu_seconds = usage.ru_utime + usage.ru_stime
