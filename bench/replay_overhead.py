@@ -10,12 +10,13 @@ Each turn's prompt is the previous turn's prompt, its output and a new tool resu
 the GPU prefix cache, CPU stores and CPU loads all run; the GPU pool is small enough
 that agents evict each other and later turns load from the CPU tier.
 
-After one unmeasured warm-up replay per side, each repetition replays the trace twice on a fresh real ``Scheduler`` +
-``OffloadingConnector``: once with the guard installed through ``kvguard.guards.plugin.register``
-and once after ``OffloadGuardInstrumentor().uninstall()`` restored vLLM's code. The
-order alternates between repetitions (interleaved), so drift of a shared machine hits
-both sides. The measured time of a step is ``schedule()`` + ``update_from_output()``
-(the simulated worker is not timed), in two clocks: the engine thread's CPU time
+Two processes replay the trace, one with the guard (installed through the plugin, as in
+vLLM) and one without (``KVGUARD_DISABLE=1``), each after one unmeasured warm-up replay,
+``--reps`` times each, **in lockstep**: both pinned to one core, they take turns step by
+step (``harness.run_replay(before_step=...)`` waits for the coordinator's go in a pipe
+read, outside the timed window), so the host's speed drift over seconds to minutes hits
+both sides of a step pair alike (:func:`_lockstep`). The measured time of a step is
+``schedule()`` + ``update_from_output()`` (the simulated worker is not timed), in two clocks: the engine thread's CPU time
 (``time.thread_time``; the headline figure, since on a shared machine the wall clock also
 counts the time other processes held the core: A/A controls on this host spanned 0.98-1.14
 in wall time) and wall time (``perf_counter``). Both sides schedule the same steps, so each
@@ -32,12 +33,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -96,6 +99,89 @@ def generate_trace(agents: int = 40, turns: int = 6, seed: int = 0) -> Trace:
     )
 
 
+def _side(conn: Any, guard: bool, policy: str, agents: int, turns: int, reps: int, cpu: int | None) -> None:
+    """One side of the lockstep bench, in its own process: a warm-up replay, then ``reps``
+    replays whose every step waits for the coordinator's go (``before_step``)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # both sides on one core: the same core's speed
+    from kvguard.guards.replay import harness
+
+    trace = generate_trace(agents, turns)
+    if not harness.run_replay(trace, guard=guard, policy=policy).ok:
+        conn.send(("failed", "warm-up replay failed"))
+        return
+
+    def wait_for_go() -> None:
+        conn.send(("wait",))
+        conn.recv()
+
+    for _ in range(reps):
+        gc.collect()  # the previous replay's engine must not be collected mid-replay
+        result = harness.run_replay(trace, guard=guard, policy=policy, before_step=wait_for_go)
+        if not result.ok:
+            conn.send(("failed", result.error or "stalled"))
+            return
+        checks = {k: v["evaluated"] for k, v in (result.checks or {}).items() if v.get("evaluated")}
+        conn.send(("done", result.step_cpu_s, result.step_times_s, checks))
+
+
+def _lockstep(args: Any, per_rep: dict) -> dict:
+    """Run the guarded and the unguarded replays in two processes, step by step in turn
+    (one step of one side, then the same step of the other; the waiting side sleeps in a
+    pipe read, outside its timed window). The host's speed drifts over seconds to minutes
+    on this shared machine (the same replay measured 0.36 and 0.58 ms per step minutes
+    apart); both sides of one step pair run within milliseconds, so the drift hits both.
+    Fills ``per_rep[clock][guard]``; returns the guarded side's evaluated checks.
+    RuntimeError when a replay fails."""
+    ctx = multiprocessing.get_context("spawn")
+    # the core both sides run on (they take turns, so they never compete for it): the
+    # last one this process may use
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpu = cores[-1] if cores else None
+    conns, procs = {}, []
+    for guard in (True, False):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_side, args=(child, guard and not args.control, args.policy,
+                                               args.agents, args.turns, args.reps, cpu), daemon=True)
+        proc.start()
+        conns[guard] = parent
+        procs.append(proc)
+    checks: dict = {}
+    try:
+        pending = {guard: conn.recv() for guard, conn in conns.items()}
+        reps_done = {True: 0, False: 0}
+        step = 0
+        while any(n < args.reps for n in reps_done.values()):
+            order = (True, False) if step % 2 == 0 else (False, True)
+            step += 1
+            for guard in order:
+                msg = pending[guard]
+                if msg[0] == "failed":
+                    raise RuntimeError(f"replay failed (guard={guard}): {msg[1]}")
+                if msg[0] == "done":
+                    per_rep["cpu"][guard].append(msg[1])
+                    per_rep["wall"][guard].append(msg[2])
+                    if guard:
+                        checks = msg[3]
+                    reps_done[guard] += 1
+                    print(f"rep {reps_done[guard]}/{args.reps} guard={'on ' if guard else 'off'}: "
+                          f"{len(msg[1])} steps, median step {1e3 * statistics.median(msg[1]):.3f} ms CPU",
+                          file=sys.stderr)
+                    pending[guard] = conns[guard].recv() if reps_done[guard] < args.reps else ("end",)
+                    continue
+                if msg[0] == "wait":
+                    conns[guard].send("go")
+                    pending[guard] = conns[guard].recv()
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return checks
+
+
 def _ratios(per_rep: dict[bool, list[list[float]]]) -> dict:
     """Per-step statistics of one clock: ``per_rep[guard]`` holds each repetition's step
     times (seconds, the same steps on both sides). Step i's time per side is its fastest
@@ -140,33 +226,12 @@ def main(argv: list[str] | None = None) -> int:
 
     clocks = ("cpu", "wall")
     per_rep: dict[str, dict[bool, list[list[float]]]] = {c: {True: [], False: []} for c in clocks}
-    checks: dict = {}
     t0 = time.perf_counter()
-    # Warm-up, not measured: the first replay of a process pays lazy imports and caches.
-    for guard in (True, False):
-        if not harness.run_replay(trace, guard=guard, policy=args.policy).ok:
-            print(f"warm-up replay failed (guard={guard})", file=sys.stderr)
-            return 1
-    for rep in range(args.reps):
-        order = (True, False) if rep % 2 == 0 else (False, True)
-        for guard in order:
-            gc.collect()  # the previous replay's engine must not be collected mid-replay
-            result = harness.run_replay(
-                trace, guard=guard and not args.control, policy=args.policy
-            )
-            if not result.ok:
-                print(f"replay failed (guard={guard}): {result.error or 'stalled'}", file=sys.stderr)
-                return 1
-            per_rep["cpu"][guard].append(result.step_cpu_s)
-            per_rep["wall"][guard].append(result.step_times_s)
-            if guard:
-                checks = result.checks
-            print(
-                f"rep {rep + 1}/{args.reps} guard={'on ' if guard else 'off'}: "
-                f"{result.steps} steps, median step {1e3 * statistics.median(result.step_cpu_s):.3f} ms CPU, "
-                f"replay {result.wall_s:.2f} s",
-                file=sys.stderr,
-            )
+    try:
+        checks = _lockstep(args, per_rep)
+    except RuntimeError as error:
+        print(str(error), file=sys.stderr)
+        return 1
     if len({len(r) for c in clocks for r in per_rep[c][True] + per_rep[c][False]}) != 1:
         print("the two sides scheduled different steps: no per-step comparison", file=sys.stderr)
         return 1
@@ -186,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_clock": figures["wall"],
         "goal": 1.01,
         "control": args.control,
-        "checks_evaluated_per_replay": {
-            k: v["evaluated"] for k, v in checks.items() if v.get("evaluated")
-        },
+        "checks_evaluated_per_replay": checks,
         "bench_wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.json:

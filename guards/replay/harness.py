@@ -861,12 +861,15 @@ def run_replay(
     policy: str = "guard",
     progress: Callable[[int, int, int], None] | None = None,
     engine: Engine | None = None,
+    before_step: Callable[[], None] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` on the real scheduler; never raises for an engine failure.
 
     ``guard`` installs the plugin via :func:`install_guard` first (``--no-guard``: the
     plugin is disabled with ``KVGUARD_DISABLE=1`` so vLLM's own assertions decide).
-    ``progress(finished, submitted_total, steps)`` is called every few steps.
+    ``progress(finished, submitted_total, steps)`` is called every few steps;
+    ``before_step()`` right before each timed step (``bench/replay_overhead.py`` runs two
+    replays in lockstep through it).
     Exceptions escaping the scheduler end the replay with ``engine_survived`` False.
     """
     version = vllm_version()
@@ -956,6 +959,8 @@ def run_replay(
                 drain_steps += 1
 
             placeholders = queue.before_schedule(scheduler)
+            if before_step is not None:
+                before_step()
             c0 = time.thread_time()
             t0 = time.perf_counter()
             sched_out = scheduler.schedule()
