@@ -84,6 +84,8 @@ class _State:
     special_missing: list[str] = field(default_factory=list)
     code_patches: list[tuple[types.FunctionType, types.CodeType]] = field(default_factory=list)
     attr_patches: list[tuple[type, str, Any]] = field(default_factory=list)
+    #: (qualname, wrapper) of each wrapt wrap done (one method may carry two wrappers)
+    wrapped: set[tuple[str, Any]] = field(default_factory=set)
     injected: list[types.ModuleType] = field(default_factory=list)
     finder: GuardFinder | None = None
     status: dict[str, str] = field(default_factory=dict)
@@ -195,6 +197,7 @@ class OffloadGuardInstrumentor:
                 uninstall_finder(state.finder)
             for func, code in reversed(state.code_patches):
                 func.__code__ = code
+            admission.detach_all()
             for owner, attr, original in reversed(state.attr_patches):
                 setattr(owner, attr, original)
             for module in state.injected:
@@ -360,7 +363,9 @@ class OffloadGuardInstrumentor:
                     self._missing(state, site.site_id, site.module, "not_rewritten", detail)
         if not state.settings.site_disabled(ADMISSION_SITE_ID):
             for qualname in _lookup_classes(module):
-                self._wrap(state, module, f"{qualname}.get_num_new_matched_tokens", admission.admission_wrapper)
+                if self._wrap(state, module, f"{qualname}.get_num_new_matched_tokens", admission.admission_wrapper):
+                    # each new scheduler also gets the same wrapper pre-bound (admission.attach)
+                    self._wrap(state, module, f"{qualname}.__init__", admission.attach_wrapper)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]
@@ -378,9 +383,8 @@ class OffloadGuardInstrumentor:
     def _wrap(self, state: _State, module: types.ModuleType, qualname: str, wrapper: Any) -> bool:
         import wrapt
 
-        if any(o is not None and getattr(o, "__qualname__", None) == qualname.rsplit(".", 1)[0]
-               and a == qualname.rsplit(".", 1)[1] for o, a, _ in state.attr_patches):
-            return True  # the same class already wrapped (two window sites in one class)
+        if (qualname, wrapper) in state.wrapped:
+            return True  # the same method already wrapped so (two window sites in one class)
         owner_name, _, attr = qualname.rpartition(".")
         owner: Any = module
         for part in owner_name.split(".") if owner_name else ():
@@ -396,6 +400,7 @@ class OffloadGuardInstrumentor:
             runtime.guard_error(names.STAGE_INSTALL, error)
             return False
         state.attr_patches.append((owner, attr, original))
+        state.wrapped.add((qualname, wrapper))
         return True
 
 

@@ -39,6 +39,7 @@ update, every step).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
@@ -604,8 +605,6 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
     if len({g.tokens_per_block for g in geometry.kv_groups()}) > 1:
         # Groups of different block sizes: the scheduler and hash block sizes EngineCore
         # derives (LCM / GCD of the groups' sizes), bound by the Scheduler's signature.
-        import inspect
-
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -713,6 +712,12 @@ class _HitRecorder:
     issue 2's fallback for a geometry ``schedule()`` cannot reach): the external hit is
     capped so that ``num_cached_tokens`` is exactly the trace's value.
 
+    A request without a driven hit (every request of most traces) takes the scheduler's
+    own call path: what ``cs.get_num_new_matched_tokens`` was before this recorder (the
+    guard's pre-bound wrapper, :func:`kvguard.guards.admission.attach`, or the class's
+    method, bound per call as attribute access binds it), so the replay and the bench run
+    kvguard's admission wrapper exactly as EngineCore does. For a driven hit:
+
     Order: vLLM's own lookup, then the cap, then kvguard's admission check
     (:func:`kvguard.guards.admission.admit`, when the guard wraps the lookup), so a
     driven hit passes the same check as any answer of vLLM's lookup (issue 9 item 6).
@@ -729,11 +734,30 @@ class _HitRecorder:
         self._cs = connector_scheduler
         self._admission = admission
         self._orig, self._admitted = admission.unwrapped_lookup(connector_scheduler)
+        self._cls = type(connector_scheduler)
+        self._method = inspect.getattr_static(self._cls, "get_num_new_matched_tokens")
+        # what vLLM's ``cs.get_num_new_matched_tokens`` finds first: an instance attribute
+        # (kvguard's pre-bound wrapper, admission.attach), else the class's method
+        self._instance_attr = connector_scheduler.__dict__.get("get_num_new_matched_tokens")
         self._result = result
         self.targets: dict[str, int] = {}
         connector_scheduler.get_num_new_matched_tokens = self
 
     def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
+        rid = request.request_id
+        if rid not in self.targets:
+            # no driven hit: the scheduler's own call path (the class attribute, bound as
+            # vLLM's attribute access binds it), so with the guard kvguard's wrapt wrapper
+            # runs exactly as in EngineCore, and the bench times what an operator pays
+            lookup = self._instance_attr or self._method.__get__(self._cs, self._cls)
+            answer = lookup(request, num_computed_tokens, *args, **kwargs)
+            hit = answer[0]
+            if hit is not None:
+                self._result.hits[rid] = {
+                    "local_hit_tokens": int(num_computed_tokens),
+                    "external_hit_tokens": int(hit),
+                }
+            return answer
         seen = None
         if self._admitted:
             answer, seen = self._admission.record_lookup(
@@ -742,7 +766,6 @@ class _HitRecorder:
         else:
             answer = self._orig(request, num_computed_tokens, *args, **kwargs)
         hit, load_async = answer
-        rid = request.request_id
         target = self.targets.get(rid)
         if target is not None and hit:
             want = target - num_computed_tokens
@@ -765,8 +788,12 @@ class _HitRecorder:
         return answer
 
     def restore(self) -> None:
-        # the instance attribute shadowed the class's (possibly wrapped) method
-        self._cs.__dict__.pop("get_num_new_matched_tokens", None)
+        # the instance attribute shadowed the class's (possibly wrapped) method, or the
+        # instance's own wrapper: put back what was there
+        if self._instance_attr is not None:
+            self._cs.__dict__["get_num_new_matched_tokens"] = self._instance_attr
+        else:
+            self._cs.__dict__.pop("get_num_new_matched_tokens", None)
 
 
 def _describe(exc: BaseException) -> str:

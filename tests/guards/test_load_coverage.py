@@ -458,3 +458,79 @@ def test_an_answered_lookup_ends_the_deferral_it_is_compared_with(policy_of):
         admission.unconfigure()
     assert admission.admit(cs, request, 0, answer, seen) == (0, False)  # switched on: reduced
     assert admission.snapshot_promotion_progress()["hit_reduced"] == 1
+
+
+# -- the pre-bound wrapper of each scheduler (kvguard.guards.admission.attach) ----------
+def _wrapped_scheduler_class():
+    """A stand-in scheduler class whose lookup carries kvguard's class-level wrap, as the
+    instrumentor installs it; its lookup answers a 40-token hit whose window chunk 3 is
+    missing (the stand-in of ``test_admit_reduces_a_hit_whose_window_chunk_is_missing``)."""
+    import wrapt
+
+    from kvguard.guards import admission
+
+    class Scheduler:
+        def __init__(self):
+            self.__dict__.update(vars(_stand_in_scheduler(4, 2, 20, 0, 8, missing={(1, 3)})))
+            self.__dict__[admission._TIERING_ATTR] = None  # no tiering: nothing to record
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return (40, True)
+
+    Scheduler.get_num_new_matched_tokens = wrapt.FunctionWrapper(
+        vars(Scheduler)["get_num_new_matched_tokens"], admission.admission_wrapper
+    )
+    return Scheduler
+
+
+def test_attach_gives_a_scheduler_the_same_check_pre_bound():
+    """``attach`` sets an instance attribute that wraps vLLM's method bound to that
+    scheduler; a call through it is checked exactly as through the class wrap (the hit is
+    reduced the same way); ``detach_all`` removes it and the class wrap still checks."""
+    from kvguard.guards import admission
+
+    Scheduler = _wrapped_scheduler_class()
+    cs = Scheduler()
+    request = _Obj(request_id="r")
+    via_class = cs.get_num_new_matched_tokens(request, 0)
+    assert via_class[0] < 40  # the class wrap reduced the hit
+    assert admission.attach(cs) is True
+    own = cs.__dict__["get_num_new_matched_tokens"]
+    assert own._self_wrapper is admission.admission_wrapper and own.__wrapped__.__self__ is cs
+    admission.reset()
+    assert cs.get_num_new_matched_tokens(request, 0) == via_class
+    assert admission.snapshot()["evaluated"] == 1 and admission.snapshot()["hit_reduced"] == 1
+    admission.detach_all()
+    assert "get_num_new_matched_tokens" not in cs.__dict__
+    assert cs.get_num_new_matched_tokens(request, 0) == via_class
+    admission.reset()
+
+
+def test_attach_never_replaces_an_instance_attribute_or_a_subclass_override():
+    from kvguard.guards import admission
+
+    Scheduler = _wrapped_scheduler_class()
+    cs = Scheduler()
+    mine = lambda request, num_computed_tokens: (0, False)  # noqa: E731 - someone else's wrapper
+    cs.get_num_new_matched_tokens = mine
+    assert admission.attach(cs) is False and cs.get_num_new_matched_tokens is mine
+
+    class Override(Scheduler):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    sub = Override()
+    assert admission.attach(sub) is False and "get_num_new_matched_tokens" not in sub.__dict__
+    assert sub.get_num_new_matched_tokens(_Obj(request_id="r"), 0)[0] < 40  # super(): the class wrap checks
+    admission.reset()
+
+
+def test_binder_fast_path_reads_positions_from_the_signature():
+    """vLLM's positional call shape takes the two-read fast path, in the signature's order."""
+    from kvguard.guards.admission import _Binder
+
+    plain = _Binder(_Lookup().plain)
+    assert plain.positions == (0, 1) and plain.min_args == 2
+    reordered = _Binder(_Lookup().reordered)
+    assert reordered.positions == (1, 0) and reordered.bind((64, "req"), {}) == ("req", 64)
+    assert _Binder(_Lookup().keyword_only).positions is None

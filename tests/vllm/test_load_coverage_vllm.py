@@ -214,13 +214,18 @@ def test_vllm_admitted_hits_are_never_reduced(name, monkeypatch):
     assert stats["evaluated"] >= sum(1 for h in result.hits.values() if h["external_hit_tokens"]), stats
     if name != "seed-42945":  # the store-side seed has no CPU hit on some releases
         assert stats["evaluated"] >= 1, stats
-    assert same and all(same)
+        assert same  # the check is called for lookups with a hit only
+    assert all(same)
     assert result.guard_errors == {}
 
 
-def test_the_class_wrap_runs_the_check_in_vllms_own_call_path(monkeypatch):
+@pytest.mark.parametrize("path", ["instance", "class"])
+def test_the_wraps_run_the_check_in_vllms_own_call_path(path, monkeypatch):
     """Without the harness' ordering (EngineCore's path): the wrapt wrap of
-    ``get_num_new_matched_tokens`` itself calls the check, arguments bound by signature."""
+    ``get_num_new_matched_tokens`` itself calls the check, arguments bound by signature.
+    ``instance``: the pre-bound wrapper every scheduler built after install gets
+    (``admission.attach``, the hot path); ``class``: the class-level wrap, which serves a
+    scheduler without it (one built before install)."""
     import inspect
 
     trace = load_trace("load-evicted-window")
@@ -232,12 +237,24 @@ def test_the_class_wrap_runs_the_check_in_vllms_own_call_path(monkeypatch):
     cs = engine.connector_scheduler
     attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens")
     assert getattr(attr, "_self_wrapper", None) is admission.admission_wrapper
+    own = cs.__dict__.get("get_num_new_matched_tokens")
+    assert getattr(own, "_self_wrapper", None) is admission.admission_wrapper
+    assert own.__wrapped__.__self__ is cs and own.__wrapped__.__func__ is attr.__wrapped__
+    if path == "class":
+        del cs.__dict__["get_num_new_matched_tokens"]
+    calls = []
+    original = admission.admit
+    monkeypatch.setattr(admission, "admit", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     # the recorder calls the wrapped method as vLLM's scheduler does, and no admit of its own
     monkeypatch.setattr(admission, "unwrapped_lookup", lambda c: (c.get_num_new_matched_tokens, False))
     result = harness.run_replay(control, guard=True, policy="guard", engine=engine)
     assert result.ok, result.error
     stats = _stats(result)
     assert stats["evaluated"] >= 1 and stats["violations"] == 0, stats
+    assert calls and all(c is cs for c in calls)  # the check ran on this scheduler's lookups
     assert result.guard_errors == {}
+    # the replay put back what it shadowed
+    assert ("get_num_new_matched_tokens" in cs.__dict__) is (path == "instance")
     harness.uninstall_guard()
     assert inspect.getattr_static(type(cs), "get_num_new_matched_tokens") is attr.__wrapped__
+    assert "get_num_new_matched_tokens" not in cs.__dict__  # uninstall detaches the instance wrapper
