@@ -24,7 +24,7 @@ PYTEST_FLAGS ?=
 # (scripts/fuzz_time.py; issue 10: at most 10 minutes in all)
 REPORTS := build/test-reports
 
-.PHONY: demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
+.PHONY: bench-parts demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -108,6 +108,13 @@ test-vllm-suite:
 bench:
 	scripts/env.sh vllm-0.33.0
 	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
+
+## bench-parts: each part of the guard switched on for every other step, in one process
+bench-parts:
+	scripts/env.sh vllm-0.33.0
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part admission
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part code
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part all
 
 ## fuzz: kvguard's reliability figure (issue 10): a fixed guarded fuzz budget on 0.33.0 and 0.25.1
 FUZZ_EXAMPLES ?= 600
