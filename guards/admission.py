@@ -47,7 +47,7 @@ without a call; measured on 0.33.0 on the bench trace (1 Dec 2026, same process,
 live state, old and new code interleaved): 2.9 us warm against 3.1 us before. The
 wrapper: each scheduler built after install carries its own pre-bound ``wrapt`` wrapper
 (:func:`attach`: no descriptor binding per call), and ``request`` / ``num_computed_tokens``
-are read from the positions of vLLM's signature inline. What a step pays is the cold
+are read from the positions of vLLM's signature (:class:`_Binder`). What a step pays is the cold
 cost, about three times the warm one (the first call after vLLM's code ran: 8.4 us median
 against 2.8 us for ``admit`` alone on 0.33.0, 2 Dec 2026); the README's Benchmark
 section has the step-time figures.
@@ -438,7 +438,6 @@ def _get_plan(cs: Any) -> _Plan | Unsupported:
 
 
 # -- readiness of one offload entry ------------------------------------------------------
-_END = object()
 #: entry class -> whether its ``is_ready`` is exactly ``return self.ref_cnt >= 0``
 _REF_CNT_READY: dict[type, bool] = {}
 
@@ -992,19 +991,14 @@ _BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_O
 _BINDERS: dict[Any, _Binder] = {}
 
 
-def _new_binder(wrapped: Any) -> _Binder:
-    """The :class:`_Binder` of ``wrapped`` (a bound or plain ``get_num_new_matched_tokens``),
-    built once per function."""
+def _bind(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """``(request, num_computed_tokens)`` of a ``get_num_new_matched_tokens`` call, by signature
+    (the :class:`_Binder` of the function, built once)."""
     func = getattr(wrapped, "__func__", wrapped)
     binder = _BINDERS.get(func)
     if binder is None:
         binder = _BINDERS[func] = _Binder(wrapped)
-    return binder
-
-
-def _bind(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """``(request, num_computed_tokens)`` of a ``get_num_new_matched_tokens`` call, by signature."""
-    return _new_binder(wrapped).bind(args, kwargs)
+    return binder.bind(args, kwargs)
 
 
 def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -1027,12 +1021,7 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     try:
         if seen is None and not answer[0]:  # None (deferred) or 0: no hit to check
             return answer
-        binder = _BINDERS.get(getattr(wrapped, "__func__", wrapped)) or _new_binder(wrapped)
-        positions = binder.positions
-        if positions is not None and not kwargs and len(args) >= binder.min_args:
-            request, num_computed_tokens = args[positions[0]], args[positions[1]]  # vLLM's call shape
-        else:
-            request, num_computed_tokens = binder.bind(args, kwargs)
+        request, num_computed_tokens = _bind(wrapped, args, kwargs)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer

@@ -745,19 +745,25 @@ class _HitRecorder:
 
     def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
         rid = request.request_id
-        if rid not in self.targets:
-            # no driven hit: the scheduler's own call path (the class attribute, bound as
-            # vLLM's attribute access binds it), so with the guard kvguard's wrapt wrapper
-            # runs exactly as in EngineCore, and the bench times what an operator pays
+        target = self.targets.get(rid)
+        if target is None:
+            # no driven hit: EngineCore's call path (kvguard's pre-bound wrapper, or the
+            # class's method bound as attribute access binds it), so the guard's wrapper
+            # runs as in EngineCore and the bench times what an operator pays
             lookup = self._instance_attr or self._method.__get__(self._cs, self._cls)
             answer = lookup(request, num_computed_tokens, *args, **kwargs)
-            hit = answer[0]
-            if hit is not None:
-                self._result.hits[rid] = {
-                    "local_hit_tokens": int(num_computed_tokens),
-                    "external_hit_tokens": int(hit),
-                }
-            return answer
+        else:
+            answer = self._driven(request, num_computed_tokens, target, args, kwargs)
+        hit = answer[0]
+        if hit is not None:
+            self._result.hits[rid] = {
+                "local_hit_tokens": int(num_computed_tokens),
+                "external_hit_tokens": int(hit),
+            }
+        return answer
+
+    def _driven(self, request: Any, num_computed_tokens: int, target: int, args: tuple, kwargs: dict) -> Any:
+        """vLLM's own lookup, the cap to ``target`` tokens, then kvguard's admission check."""
         seen = None
         if self._admitted:
             answer, seen = self._admission.record_lookup(
@@ -766,10 +772,10 @@ class _HitRecorder:
         else:
             answer = self._orig(request, num_computed_tokens, *args, **kwargs)
         hit, load_async = answer
-        target = self.targets.get(rid)
-        if target is not None and hit:
+        if hit:
             want = target - num_computed_tokens
             if 0 < want <= hit:
+                rid = request.request_id
                 self._result.driven_hits[rid] = {
                     "lookup_hit_tokens": int(hit),
                     "local_hit_tokens": int(num_computed_tokens),
@@ -779,12 +785,6 @@ class _HitRecorder:
                 answer = (want, load_async)
         if self._admitted:
             answer = self._admission.admit(self._cs, request, num_computed_tokens, answer, seen=seen)
-        hit = answer[0]
-        if hit is not None:
-            self._result.hits[rid] = {
-                "local_hit_tokens": int(num_computed_tokens),
-                "external_hit_tokens": int(hit),
-            }
         return answer
 
     def restore(self) -> None:
