@@ -38,6 +38,8 @@ KIND_CHECK = "check"
 KIND_GUARD_ERROR = "guard-error"
 #: Directory of kvguard's own code (the ``kvguard.guards`` package, editable or installed).
 KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
+#: The lab inside it (the replay harness and this fuzzer): a frame there is never the guard's.
+LAB_DIRS = tuple(os.path.join(KVGUARD_DIR, d) + os.sep for d in ("replay", "fuzz"))
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,11 @@ class Frame:
 
     @property
     def in_kvguard(self) -> bool:
-        """True for a frame of kvguard's own code (a file under the ``kvguard.guards`` package)."""
-        return os.path.abspath(self.filename).startswith(KVGUARD_DIR + os.sep)
+        """True for a frame of kvguard's guard code: a file under the ``kvguard.guards``
+        package outside the lab (:data:`LAB_DIRS`: the lab's own failure is a harness
+        error, never a kvguard bug)."""
+        path = os.path.abspath(self.filename)
+        return path.startswith(KVGUARD_DIR + os.sep) and not path.startswith(LAB_DIRS)
 
 
 def frames_of(exc: BaseException) -> list[Frame]:
@@ -160,6 +165,9 @@ class ExampleOutcome:
     error: str | None = None
     error_site: str | None = None
     invalid: str | None = None
+    #: the lab itself failed (:func:`kvguard.guards.replay.harness.harness_error_of`):
+    #: ``{"exception", "traceback", "expected"}``; not a finding, the run stops
+    harness_error: dict[str, str] | None = None
     #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
     checks_evaluated: int = 0
 
@@ -196,6 +204,9 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
     A request is *lost* when the engine stayed up and the request neither finished nor
     was aborted by the trace.
     """
+    if getattr(result, "harness_error", None) is not None:
+        return ExampleOutcome(steps=result.steps, submitted=result.submitted, finished=result.finished,
+                              harness_error=result.harness_error)
     out = ExampleOutcome(
         steps=result.steps,
         submitted=result.submitted,

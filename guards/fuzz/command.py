@@ -2,7 +2,8 @@
 
 Exit status: 0 when no class is a kvguard bug (with ``--no-guard``: always 0 once the run
 completed, findings are vLLM's); 1 when a class is flagged ``kvguard_bug``; 2 for a usage
-error. With ``--json`` stdout carries exactly one JSON object (docs/fuzz.md); progress,
+error or a harness error (the lab could not drive the installed vLLM: the run stops at the
+first example that shows it, and reports ``harness_error`` instead of findings). With ``--json`` stdout carries exactly one JSON object (docs/fuzz.md); progress,
 the final table and vLLM's logs go to stderr.
 """
 
@@ -101,4 +102,10 @@ def fuzz(
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
+    if result.get("harness_error"):
+        lab = result["harness_error"]
+        click.echo(f"kvguard fuzz: harness error at example {lab['example']}: {lab['exception']} "
+                   f"(expected {lab['expected']}); the lab cannot drive this vLLM release, so no "
+                   "example is a finding (guards/replay/vllm_api.py)", err=True)
+        sys.exit(2)
     sys.exit(1 if result["kvguard_bugs"] else 0)

@@ -65,6 +65,11 @@ def table(result: dict[str, Any]) -> str:
         f"stalls {result['stalls']}, requests lost {result['requests_lost']}, "
         f"wrong-KV blocks {result['wrong_kv_blocks']}, kvguard bugs {result['kvguard_bugs']}",
     ]
+    lab = result.get("harness_error")
+    if lab:
+        lines.append(f"  HARNESS ERROR at example {lab['example']} (the lab, not vLLM or the guard): "
+                     f"{lab['exception']}; expected {lab['expected']}. The run stopped: no example is a finding.")
+        return "\n".join(lines)
     lay = result.get("layouts")
     if lay:
         groups = ", ".join(f"{n}: {c}" for n, c in sorted(lay["kv_cache_groups"].items()))

@@ -151,9 +151,9 @@ class _Capture:
 
 def prepare(guard: bool, policy: str) -> None:
     """Install (or remove) the guard before any engine is built, as the plugin would."""
-    from kvguard.guards.replay import harness
+    from kvguard.guards.replay import harness, vllm_api
 
-    harness._route_vllm_logs_to_stderr()
+    vllm_api.route_vllm_logs_to_stderr()
     if guard:
         from kvguard.guards import runtime
 
@@ -175,6 +175,8 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
 
     try:
         engine = harness.build_engine(trace.geometry, trace.worker)
+    except harness.HarnessError as exc:  # the lab cannot bind to this release: not a finding
+        return ExampleOutcome(harness_error=harness.harness_error_of(exc)), None
     except Exception as exc:
         return ExampleOutcome(invalid=f"{type(exc).__name__}: {exc}"[:300]), None
     model_dir = getattr(engine.scheduler.vllm_config.model_config, "model", None)
@@ -434,10 +436,19 @@ def fuzz(
     class _BudgetSpent(Exception):
         pass
 
+    class _HarnessStop(Exception):
+        """The lab failed: stop at the first one (every later example would fail alike)."""
+
+    harness_error: dict[str, Any] | None = None
+
     def record(trace: Trace) -> None:
         index = totals["examples"] + totals["invalid_geometries"]
         trace = dataclasses.replace(trace, name=f"fuzz-seed{seed}-example{index}")
         outcome, _ = run_example(trace, guard=guard, policy=policy, plant=plant)
+        if outcome.harness_error is not None:
+            nonlocal harness_error
+            harness_error = {**outcome.harness_error, "example": index}
+            raise _HarnessStop
         if outcome.invalid is not None:
             totals["invalid_geometries"] += 1
             key = outcome.invalid.split(":", 1)[0]
@@ -482,11 +493,11 @@ def fuzz(
         with pinned_constants() as generation:
             try:
                 explore()
-            except _BudgetSpent:
+            except (_BudgetSpent, _HarnessStop):
                 pass
         explore_s = time.monotonic() - t0
         out_classes = []
-        for name in sorted(stats):
+        for name in sorted(stats) if harness_error is None else ():
             s = stats[name]
             assert s.trace is not None
 
@@ -552,6 +563,7 @@ def fuzz(
         "invalid_reasons": invalid_reasons,
         "layouts": layouts,
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
+        "harness_error": harness_error,
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,
         "async_scheduling": async_scheduling and strategies.async_scheduling_unsupported() is None,

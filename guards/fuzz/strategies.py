@@ -197,24 +197,24 @@ def layout_support() -> dict[str, str | None]:
     as the replay harness drives it, cannot express it, or None where it can.
 
     The harness's own checks, by feature detection (cached per process):
-    ``groups`` needs :func:`~kvguard.guards.replay.harness.mixed_block_sizes_refusal`
+    ``groups`` needs :func:`~kvguard.guards.replay.vllm_api.mixed_block_sizes_refusal`
     to be None (groups of different ``tokens_per_block``), ``extra_retained_tokens``
-    :func:`~kvguard.guards.replay.harness.extra_retained_tokens_refusal` (the field
-    exists) and :func:`~kvguard.guards.replay.harness.extra_retained_tokens_setter`
+    :func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_refusal` (the field
+    exists) and :func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_setter`
     (the release's code that sets it gives every sliding-window layer one value, so the
     generator draws one value per example: :func:`kv_cache_layout`). Without vLLM (the
     light test env) neither is drawn.
     """
     try:
-        from kvguard.guards.replay import harness
+        from kvguard.guards.replay import vllm_api
 
-        harness.vllm_version()
-        extra = harness.extra_retained_tokens_refusal()
+        vllm_api.vllm_version()
+        extra = vllm_api.extra_retained_tokens_refusal()
         if extra is None:
-            extra = harness.extra_retained_tokens_setter()[1]
+            extra = vllm_api.extra_retained_tokens_setter()[1]
         return {
             "extra_retained_tokens": extra,
-            "groups": harness.mixed_block_sizes_refusal(),
+            "groups": vllm_api.mixed_block_sizes_refusal(),
         }
     except (ImportError, RuntimeError) as exc:
         why = f"not drawn without vLLM ({exc})"
@@ -239,7 +239,7 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
     builds it: its KV cache planning sets ``extra_retained_tokens =
     num_prefill_lookahead_tokens - 1`` (0.33.0; ``num_speculative_tokens - 1`` for
     multi-module MTP on 0.29.0) on every ``SlidingWindowSpec`` of the engine
-    (:func:`~kvguard.guards.replay.harness.extra_retained_tokens_setter` finds that code;
+    (:func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_setter` finds that code;
     where it does not, the field is not drawn). Returns ``{}``,
     ``{"extra_retained_tokens": N}`` or ``{"groups": (GroupGeometry, ...)}``.
     """

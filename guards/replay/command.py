@@ -3,7 +3,9 @@
 Exit status: 0 when the engine survived, every request finished and the KV-content
 oracle found no wrong KV (``wrong_kv_blocks == 0``); 1 otherwise (the engine died, a
 request waited forever, a GPU block held wrong KV when vLLM read it, the trace could
-not be loaded, or its geometry cannot be expressed on the installed release).
+not be loaded, or its geometry cannot be expressed on the installed release); 2 when the
+lab itself could not drive the installed vLLM (``harness_error`` in the report: a vLLM API
+the lab expected is not there; never an engine death, never a finding).
 With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.guards.replay.report`);
 vLLM's and kvguard's logs go to stderr.
 """
@@ -98,4 +100,9 @@ def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, 
         real_stdout.flush()
     else:
         click.echo(report.to_text(out))
+    if result.harness_error is not None:
+        # the lab, not vLLM or the guard: a finding about nothing (docs/replay.md, "Exit status")
+        click.echo(f"kvguard replay: harness error: {result.harness_error['exception']} "
+                   f"(expected {result.harness_error['expected']})", err=True)
+        sys.exit(2)
     sys.exit(0 if result.ok else 1)

@@ -4,7 +4,7 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
 
     {"vllm_version": "0.25.1", "trace": "seed-48959", "guard": true, "policy": "guard",
      "guard_installed": true, "engine_survived": true, "error": null, "error_site": null,
-     "stalled": false, "stalls": [], "preemptions": {},
+     "harness_error": null, "stalled": false, "stalls": [], "preemptions": {},
      "requests": {"submitted": 4, "finished": 4, "aborted": 0, "failed": 0, "not_arrived": 0},
      "failed_requests": [],
      "wrong_kv_blocks": 0, "wrong_kv": [],
@@ -42,6 +42,10 @@ request's tokens at those positions when vLLM was about to read them; ``wrong_kv
 the first few (``request_id``, ``group``, ``block_index``, ``gpu_block_id``, ``what``:
 expected vs found positions, never token ids). ``kv_oracle`` is ``null`` when the worker
 ran without the oracle. ``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
+``harness_error`` is ``null``, or ``{"exception", "traceback", "expected"}`` when the lab itself
+could not drive the installed vLLM (a vLLM API it expected is not there,
+:func:`kvguard.guards.replay.harness.harness_error_of`): then nothing else in the report is a
+finding about vLLM or kvguard, and ``kvguard replay`` exits 2;
 ``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
 guard); ``guard_errors`` counts exceptions inside kvguard code per stage
 (:func:`kvguard.guards.runtime.guard_errors`; ``{}`` is the healthy value); ``sites`` is the
@@ -156,6 +160,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "engine_survived": result.engine_survived,
         "error": result.error,
         "error_site": result.error_site,
+        "harness_error": result.harness_error,
         "stalled": result.stalled,
         "stalls": result.stalls,
         "preemptions": result.preemptions,
@@ -204,7 +209,13 @@ def to_text(report: dict[str, Any]) -> str:
     guard = f"guard on (policy {report['policy']})" if report["guard"] else "guard off"
     lines = [f"kvguard replay: trace {report['trace']} on vLLM {report['vllm_version']}, {guard}"]
     req = report["requests"]
-    if report["engine_survived"]:
+    lab = report.get("harness_error")
+    if lab:
+        lines.append(f"  HARNESS ERROR after {report['steps']} steps (the lab, not vLLM or the guard): "
+                     f"{lab['exception']}")
+        lines.append(f"            expected: {lab['expected']}")
+        lines.append("            (kvguard's lab cannot drive this vLLM release: guards/replay/vllm_api.py)")
+    elif report["engine_survived"]:
         state = "stalled (a request waits forever)" if report["stalled"] else "survived"
         aborted = f", {req['aborted']} aborted" if req.get("aborted") else ""
         if req.get("failed"):

@@ -14,15 +14,22 @@ worker reports, including its deferral of every store to the start of the next s
 (``prepare_store_kv``) and its blocking ``wait`` on ``jobs_to_flush`` when a request is
 preempted or a block with a pending store is reallocated.
 
-Only the copy engine below it is simulated: :class:`SimulatedTransfers` stands in for the
-``OffloadingWorker`` (0.23+: ``submit_load`` / ``submit_store`` / ``get_finished`` /
-``wait``; 0.21: an ``OffloadingHandler`` registered for GPU->CPU and CPU->GPU on the real
-``OffloadingWorker``). When each job finishes and whether it succeeds is the
+Only the copy engine below it is simulated: :class:`SimulatedTransfers` is the object the
+release's offloading spec would hand its connector worker (``get_worker``, or one handler
+per direction from ``get_handlers`` on 0.21), handed over by
+:class:`kvguard.guards.replay.vllm_api.WorkerConnector` (the rule of what is simulated is
+written in :mod:`kvguard.guards.replay.vllm_api`). vLLM's ``register_kv_caches`` runs on
+host tensors the lab lays out as the ``KVCacheConfig`` declares, so whatever vLLM's
+worker does before a copy (0.34.0 resolves each GPU block to a device pointer,
+``vllm/v1/kv_offload/pointer_utils.py``) runs as vLLM's code; the copy engine reads the GPU
+side it receives by its declared fields (:func:`~kvguard.guards.replay.vllm_api.gpu_side`).
+When each job finishes and whether it succeeds is the
 :class:`~kvguard.guards.replay.jobs.JobQueue` of the trace's worker model (latency in
 steps, out-of-order completion, failed and hung jobs). A failed job is returned as
 ``TransferResult(success=False)`` and the release's own ``get_finished`` decides what
-follows (measured on 0.21.0 and 0.33.0: ``assert transfer_result.success`` -- "we
-currently do not support job failures" -- so the worker, and with it EngineCore, dies).
+follows: measured on 0.21.0 and 0.33.0, ``assert transfer_result.success`` ("we currently
+do not support job failures"), so the worker, and with it EngineCore, dies; 0.34.0 reports
+the job failed (``OffloadingWorkerMetadata``, ``failed_recving`` for a load) and goes on.
 
 Besides that:
 
@@ -47,18 +54,16 @@ trace): ``SimulatedWorker(fault=...)`` or ``worker.fault = ...`` before the repl
 block gets a neighbouring chunk's KV).
 
 The ``TransferJob`` layout differs between releases: ``transfer_spec=(src, dst)`` in
-vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on. Both are read.
+vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on (:func:`~kvguard.guards.replay.vllm_api.job_specs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvguard.guards.replay import vllm_api
 from kvguard.guards.replay.jobs import JobQueue, PendingJob, WorkerModel
 
 if TYPE_CHECKING:
@@ -121,51 +126,44 @@ def sampled_token(req_id: str, index: int, vocab_size: int) -> int:
     return zlib.crc32(f"{req_id}:{index}".encode()) % (vocab_size - 1) + 1
 
 
-def _job_specs(job: Any) -> tuple[Any, Any]:
-    if hasattr(job, "transfer_spec"):  # vLLM 0.21.x
-        src, dst = job.transfer_spec
-        return src, dst
-    return job.src_spec, job.dst_spec
-
-
-def _call(fn: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with the keyword arguments its signature accepts (bound by name)."""
-    params = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
-
-
 class SimulatedTransfers:
-    """The copy engine under vLLM's ``OffloadingConnectorWorker`` (no data is copied).
+    """The copy engine under vLLM's ``OffloadingConnectorWorker`` (the oracle copies fingerprints).
 
-    Implements both APIs vLLM calls it through: the 0.23+ ``OffloadingWorker``
-    (``submit_load(job_id, src_spec, dst_spec, expedited=False)``,
-    ``submit_store(job_id, src_spec, dst_spec)``) and the 0.21 ``OffloadingHandler``
-    (``transfer_async(job_id, (src, dst))``); both share ``get_finished()`` (a list of
-    the release's ``TransferResult``), ``wait(job_ids)`` and ``shutdown()``.
+    The ``OffloadingWorker`` API vLLM's connector worker calls (0.25+:
+    ``submit_load(job_id, src_spec, dst_spec, expedited=False)``, ``submit_store(job_id,
+    src_spec, dst_spec)``; on 0.21.0 two per-direction handlers over it,
+    :class:`~kvguard.guards.replay.vllm_api.WorkerConnector`), ``get_finished()`` (a list of
+    the release's ``TransferResult``), ``wait(job_ids)`` and ``shutdown()``; ``bind`` keeps
+    the ``CanonicalKVCaches`` vLLM's registration built (device pointers are read against
+    it). The GPU side of a job is what vLLM hands over: a ``GPULoadStoreSpec``, or device
+    pointers on 0.34.0 (:func:`~kvguard.guards.replay.vllm_api.gpu_side`).
     Raises :class:`WorkerHang` from ``wait`` on a job the model never completes.
     """
 
-    def __init__(self, owner: "SimulatedWorker", result_cls: type):
+    def __init__(self, owner: "SimulatedWorker"):
         self._owner = owner
-        self._result_cls = result_cls
+        self.kv_caches: Any = None
+        self._done: list[PendingJob] = []
+
+    def bind(self, kv_caches: Any) -> None:
+        self.kv_caches = kv_caches
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._owner._submit(job_id, True, src_spec, dst_spec)
+        return self._owner._submit(job_id, True, vllm_api.gpu_side(src_spec, self.kv_caches), dst_spec)
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        return self._owner._submit(job_id, False, src_spec, dst_spec)
+        return self._owner._submit(job_id, False, src_spec, vllm_api.gpu_side(dst_spec, self.kv_caches))
 
-    def transfer_async(self, job_id: int, spec: Any) -> bool:
-        from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-        src, dst = spec
-        return self._owner._submit(job_id, isinstance(src, GPULoadStoreSpec), src, dst)
-
-    def get_finished(self) -> list[Any]:
-        return [
-            _call(self._result_cls, job_id=j.job_id, success=j.success)
-            for j in self._owner._finished()
-        ]
+    def get_finished(self, store: bool | None = None) -> list[Any]:
+        """Jobs finished since the last call (of direction ``store`` only, for 0.21.0's
+        per-direction handlers: each reports its own jobs)."""
+        self._done.extend(self._owner._finished())
+        if store is None:
+            out, self._done = self._done, []
+        else:
+            out = [j for j in self._done if j.is_store is store]
+            self._done = [j for j in self._done if j.is_store is not store]
+        return [self._owner.connector().transfer_result(j.job_id, j.success) for j in out]
 
     def wait(self, job_ids: set[int]) -> None:
         hung = self._owner.queue.wait(job_ids)
@@ -206,6 +204,9 @@ class SimulatedWorker:
     stores: list[SpecRecord] = field(default_factory=list)
     inconsistent_specs: list[dict[str, Any]] = field(default_factory=list)
     jobs_completed: int = 0
+    #: per job, the GPU side as the copy engine received it from vLLM's worker code
+    #: (:class:`~kvguard.guards.replay.vllm_api.GPUSide`, GPU block ids)
+    copy_engine_jobs: dict[int, Any] = field(default_factory=dict)
     #: engine steps executed so far (the job queue's clock)
     step: int = 0
     queue: JobQueue = field(init=False)
@@ -246,41 +247,17 @@ class SimulatedWorker:
         return InFlightTokens(req, self.vocab_size)
 
     # -- the worker-role connector -------------------------------------------------
-    def connector(self) -> Any:
-        """vLLM's ``OffloadingConnector`` in the worker role, over :class:`SimulatedTransfers`."""
-        if self._connector is not None:
-            return self._connector
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        cls = type(self.scheduler.connector)
-        conn = _call(
-            cls,
-            vllm_config=self.scheduler.vllm_config,
-            role=KVConnectorRole.WORKER,
-            kv_cache_config=self.scheduler.kv_cache_config,
-        )
-        cw = conn.connector_worker
-        # TransferResult lives next to the OffloadingWorker the connector worker imports
-        # (vllm.v1.kv_offload.base from 0.23, .worker.worker in 0.21).
-        cw_module = sys.modules[type(cw).__module__]
-        result_cls = getattr(sys.modules[cw_module.OffloadingWorker.__module__], "TransferResult")
-        transfers = SimulatedTransfers(self, result_cls)
-        if getattr(cw, "worker", None) is not None and hasattr(cw.worker, "register_handler"):
-            # 0.21: the real OffloadingWorker dispatches by (src medium, dst medium)
-            from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-            cpu_cls = _cpu_spec_class()
-            cw.worker.register_handler(GPULoadStoreSpec, cpu_cls, transfers)
-            cw.worker.register_handler(cpu_cls, GPULoadStoreSpec, transfers)
-        else:  # 0.23+: the spec's OffloadingWorker, built in register_kv_caches
-            cw.worker = transfers
-        self._connector = conn
-        return conn
+    def connector(self) -> "vllm_api.WorkerConnector":
+        """vLLM's ``OffloadingConnector`` in the worker role over :class:`SimulatedTransfers`
+        (built on first use; raises :class:`~kvguard.guards.replay.vllm_api.HarnessError`
+        when the lab cannot hand it the copy engine)."""
+        if self._connector is None:
+            self._connector = vllm_api.WorkerConnector(self.scheduler, SimulatedTransfers(self))
+        return self._connector
 
     def unsubmitted_stores(self) -> int:
         """Stores vLLM's worker holds back for the next step (``prepare_store_kv``)."""
-        cw = getattr(self._connector, "connector_worker", None)
-        return len(getattr(cw, "_unsubmitted_store_jobs", ()) or ())
+        return 0 if self._connector is None else self._connector.unsubmitted_stores()
 
     @property
     def busy(self) -> bool:
@@ -290,6 +267,7 @@ class SimulatedWorker:
         )
 
     def _submit(self, job_id: int, is_store: bool, src: Any, dst: Any) -> bool:
+        self.copy_engine_jobs[job_id] = src if is_store else dst
         job = self.queue.submit(job_id, is_store, self._job_req.get(job_id))
         self._job_specs[job_id] = (src, dst)
         if is_store:
@@ -347,57 +325,32 @@ class SimulatedWorker:
             )
         return rec
 
-    def _run_connector(self, scheduler_output: Any, meta: Any) -> dict[str, Any]:
-        """One step of vLLM's worker-side connector, in the model runner's order."""
-        conn = self.connector()
-        conn.handle_preemptions(meta)
-        conn.bind_connector_metadata(meta)
-        conn.start_load_kv(None)  # the OffloadingConnector ignores the forward context
-        conn.wait_for_save()
-        finished_req_ids = set(scheduler_output.finished_req_ids or ())
-        out: dict[str, Any] = {}
-        if hasattr(conn, "get_transfer_results"):  # 0.33
-            res = conn.get_transfer_results(finished_req_ids)
-            out["finished_sending"] = set(res.finished_sending or ())
-            out["finished_recving"] = set(res.finished_recving or ())
-            out["failed_recving"] = set(getattr(res, "failed_recving", None) or ())
-        else:
-            sending, recving = conn.get_finished(finished_req_ids)
-            out["finished_sending"] = set(sending or ())
-            out["finished_recving"] = set(recving or ())
-        out["invalid_block_ids"] = set(conn.get_block_ids_with_load_errors() or ())
-        out["kv_connector_worker_meta"] = conn.build_connector_worker_meta()
-        conn.clear_connector_metadata()
-        return out
-
     def execute(self, scheduler_output: Any) -> Any:
         """Run one step on the simulated GPU; returns a ``ModelRunnerOutput``.
 
-        Raises :class:`WorkerHang` when vLLM's worker would block forever, and whatever
-        vLLM's worker code raises (a failed transfer: ``AssertionError``).
+        Raises :class:`WorkerHang` when vLLM's worker would block forever, whatever
+        vLLM's worker code raises (a failed transfer on 0.21.0-0.33.0: ``AssertionError``),
+        and :class:`~kvguard.guards.replay.vllm_api.HarnessError` when the lab cannot
+        drive the release's worker.
         """
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-            OffloadingConnectorMetadata,
-        )
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
         self.queue.step = self.step
-        meta = scheduler_output.kv_connector_metadata
+        jobs = vllm_api.offload_jobs(scheduler_output)
         kv: dict[str, Any] = {}
-        if isinstance(meta, OffloadingConnectorMetadata):
-            for job_id, job in meta.store_jobs.items():
-                src, _dst = _job_specs(job)
+        if jobs is not None:
+            store_jobs, load_jobs = jobs
+            for job_id, job in store_jobs.items():
+                src, _dst = vllm_api.job_specs(job)
                 self._job_req[job_id] = job.req_id
                 self.stores.append(self._record(job_id, job.req_id, src, is_store=True))
-            for job_id, job in meta.load_jobs.items():
-                _src, dst = _job_specs(job)
+            for job_id, job in load_jobs.items():
+                _src, dst = vllm_api.job_specs(job)
                 self._job_req[job_id] = job.req_id
                 rec = self._record(job_id, job.req_id, dst, is_store=False)
                 if job.req_id in self.scheduler.requests:
                     ids = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)
                     rec.manager_block_ids = [list(map(int, g)) for g in ids]
                 self.loads.append(rec)
-            kv = self._run_connector(scheduler_output, meta)
+            kv = self.connector().step(scheduler_output, scheduler_output.kv_connector_metadata)
         if self.oracle is not None:
             # The forward writes every scheduled token's KV before attention reads (per
             # layer, for the whole batch), so a prefix hit on a block another request of
@@ -422,17 +375,7 @@ class SimulatedWorker:
                 sampled.append([sampled_token(req_id, index, self.vocab_size)])
             else:
                 sampled.append([])  # a partial prefill chunk samples nothing
-        kv_fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
-        kv_out = KVConnectorOutput(**{k: v for k, v in kv.items() if k in kv_fields})
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=kv_out,
-        )
+        return vllm_api.model_runner_output(req_ids, sampled, kv)
 
 
 class InFlightTokens:
@@ -461,13 +404,6 @@ class InFlightTokens:
         if not 0 <= i < self._len:
             raise IndexError(i)
         return sampled_token(self._req_id, i - self._prompt, self._vocab)
-
-
-def _cpu_spec_class() -> type:
-    """vLLM's ``CPULoadStoreSpec`` (the offloaded medium of the CPU tier)."""
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
-    return CPULoadStoreSpec
 
 
 class _Rotated:

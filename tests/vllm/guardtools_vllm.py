@@ -4,3 +4,24 @@ from kvguard.guards.rewrite import fingerprint_id
 
 SITE_SWA_PENDING_BOUND = "offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound"
 SITE_GROUP_SIZES_SUM = f"kv_offload.base:GPULoadStoreSpec.__init__:{fingerprint_id('sum(group_sizes) == len(block_ids)')}"
+
+
+#: The #48959 seed geometry (tokens): sliding window, GPU block, offloaded chunk; and the
+#: production hit's ``num_cached_tokens``.
+SEED_WINDOW, SEED_BLOCK, SEED_CHUNK, SEED_CACHED_TOKENS = 4096, 32, 256, 98012
+
+
+def seed_window_bound() -> tuple[int, str]:
+    """``(bound, expression)``: the pending GPU blocks the installed release's window assert
+    allows for the seed geometry, read from its own code (:func:`kvguard.guards.vllm_source.asserted_window_bound`;
+    vLLM #48959 asserted 128 there, PR #49052 relaxed it to 129)."""
+    from kvguard.guards.vllm_source import asserted_window_bound, installed_offload_sources
+
+    return asserted_window_bound(installed_offload_sources(), SEED_WINDOW, SEED_BLOCK, SEED_CHUNK)
+
+
+def seed_pending_blocks() -> int:
+    """The legal pending GPU blocks of the seed load: the exact bound's count at 98012 cached
+    tokens (window blocks ``[(98012 - 4096 + 1) // 32, cdiv(98012, 32))``: 129)."""
+    first = (SEED_CACHED_TOKENS - SEED_WINDOW + 1) // SEED_BLOCK
+    return -(-SEED_CACHED_TOKENS // SEED_BLOCK) - first

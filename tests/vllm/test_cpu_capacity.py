@@ -2,7 +2,7 @@
 
 vLLM's offloading spec pads every chunk to its class's ``BLOCK_SIZE_ALIGNMENT`` before it
 divides ``cpu_bytes_to_use`` into chunks; the harness sizes the bytes from the padded
-chunk (``harness._cpu_bytes_to_use``). The geometries below have chunks of 2048 bytes
+chunk (``vllm_api.cpu_bytes_to_use``). The geometries below have chunks of 2048 bytes
 and more (4-token GPU blocks, one or two blocks per chunk): on vLLM 0.33.0 the CPU spec's
 alignment is the page size (4096 bytes), so before the padding was applied to the CPU
 spec too a 2048-byte chunk got half of ``cpu_chunks`` (8 -> 4, 1 -> 0; measured on 0.33.0,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.guards.replay import harness, tiering
+from kvguard.guards.replay import harness, vllm_api, tiering
 from kvguard.guards.replay.trace import Geometry
 
 pytestmark = pytest.mark.vllm
@@ -32,7 +32,7 @@ def _geometry(tokens_per_chunk: int, cpu_chunks: int, tiers=None) -> Geometry:
 def test_the_cpu_tier_holds_cpu_chunks(tokens_per_chunk: int, cpu_chunks: int) -> None:
     geometry = _geometry(tokens_per_chunk, cpu_chunks)
     engine = harness.build_engine(geometry)
-    assert harness._cpu_capacity(engine.connector_scheduler) == cpu_chunks
+    assert vllm_api.cpu_capacity(engine.connector_scheduler) == cpu_chunks
 
 
 @pytest.mark.skipif(
@@ -40,12 +40,12 @@ def test_the_cpu_tier_holds_cpu_chunks(tokens_per_chunk: int, cpu_chunks: int) -
 )
 def test_the_tiering_cpu_tier_holds_cpu_chunks() -> None:
     engine = harness.build_engine(_geometry(4, 8, ("example",)))
-    assert harness._cpu_capacity(engine.connector_scheduler) == 8
+    assert vllm_api.cpu_capacity(engine.connector_scheduler) == 8
 
 
 def test_the_alignment_is_the_spec_class_attribute() -> None:
     """Read from vLLM's class, 1 where it has none (0.21.0's CPU spec)."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    spec_cls = OffloadingSpecFactory._registry[harness.CPU_SPEC_NAME]()
-    assert harness._chunk_alignment(harness.CPU_SPEC_NAME) == getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1)
+    spec_cls = OffloadingSpecFactory._registry[vllm_api.CPU_SPEC_NAME]()
+    assert vllm_api.chunk_alignment(vllm_api.CPU_SPEC_NAME) == getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", 1)

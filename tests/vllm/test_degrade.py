@@ -8,9 +8,9 @@ Each test replays a trace twice in one fresh process (``degrade_replay.py``): vL
   blocks) while another one runs. Measured: 0.26.0 dies in ``_build_store_jobs`` on
   ``assert len(offload_keys) == len(offload_block_ids)`` (it builds a store for finished
   requests from ``req.num_tokens``); 0.21.0 and 0.25.1 build stores only for scheduled
-  requests and survive; 0.33.0 survives (its store builder uses ``num_computed_tokens``
-  for an ``FINISHED_ABORTED`` request, PR #49146; the 0.29.0 source has the same branch,
-  not replayed here).
+  requests and survive; 0.29.0, 0.33.0 and 0.34.0 survive (their store builder uses
+  ``num_computed_tokens`` for an ``FINISHED_ABORTED`` request, PR #49146). Which release
+  dies is the measured fact ``abort_queued_49118_dies`` (tests/vllm/release_facts.csv).
 - request class, natural (vLLM #43884, fixed by PR #44409): ``traces/local-external-43884.jsonl``
   gives request ``victim`` a local GPU hit of 128 tokens plus a real CPU-tier hit (no
   driven hit) while the GPU block pool's LRU head holds the sliding-window group's
@@ -36,15 +36,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvguard.guards.instrumentor import installed_vllm_version
+from release_facts import fact  # tests/vllm/release_facts.csv
 
 pytestmark = pytest.mark.vllm
 
 HERE = Path(__file__).parent
-VERSION = installed_vllm_version()
-#: measured with --no-guard on each release (see the module docstring)
-DIES_49118 = {"0.21.0": False, "0.25.1": False, "0.26.0": True, "0.29.0": False, "0.33.0": False}  # measured
+
+
+def dies_49118() -> bool:
+    """Measured with --no-guard per release (release fact ``abort_queued_49118_dies``)."""
+    return bool(fact("abort_queued_49118_dies"))
+
 SITE_STORE_KEYS = "offloading.scheduler:OffloadingConnectorScheduler._build_store_jobs:f001a089"
 ASSERT_43884 = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * gpu_block_size"
 
@@ -94,9 +96,7 @@ def planted():
 
 def test_49118_without_the_guard(abort_queued):
     r = abort_queued["no_guard"]
-    if VERSION not in DIES_49118:
-        pytest.skip(f"no measurement for vLLM {VERSION}")
-    if DIES_49118[VERSION]:
+    if dies_49118():
         assert not r["engine_survived"]
         assert r["error"] == "AssertionError: assert len(offload_keys) == len(offload_block_ids)"
         assert "in _build_store_jobs" in r["error_site"]
@@ -116,7 +116,7 @@ def test_49118_with_the_guard_drops_that_store_only(abort_queued):
     assert r["left_requests"] == [] and "queued" not in r["req_status_left"]
     assert r["free_blocks"] == r["num_gpu_blocks"] - 1  # all but the null block
     dropped = [e for e in r["events"] if e["event"] == "check_failed"]
-    if DIES_49118.get(VERSION):
+    if dies_49118():
         assert dropped == [
             {"event": "check_failed", "site": SITE_STORE_KEYS, "check": "store_keys_consistency",
              "action": "store_dropped", "request_id": "queued", "released_keys": None}
@@ -163,7 +163,7 @@ def test_planted_request_assert_with_the_guard_fails_that_request_alone(planted)
     # 0.26.0 then builds a store for the finished victim up to req.num_tokens with no
     # block ids (the #49118 mechanism): that store is dropped too; nothing else fails
     others = [(e["check"], e["action"], e["request_id"]) for e in failed_events if e is not event]
-    expected_others = [("store_keys_consistency", "store_dropped", "victim")] if DIES_49118.get(VERSION) else []
+    expected_others = [("store_keys_consistency", "store_dropped", "victim")] if dies_49118() else []
     assert others == expected_others
 
 

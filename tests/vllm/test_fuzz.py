@@ -302,12 +302,15 @@ def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
 
 def test_run_example_replays_with_the_traces_worker_model():
     """The fuzzer explores with the worker model it drew (the same one ``kvguard replay
-    --trace`` uses): a trace whose worker fails its first store dies in vLLM's
-    worker-role ``get_finished`` (vLLM does not support failed transfers), while the same
-    trace with the immediate worker finishes. Before the fix the runner built every engine
-    with the immediate worker, so both outcomes were the second."""
+    --trace`` uses): a trace whose worker fails its first store reports that failed job,
+    and where the release's worker asserts a transfer's success
+    (:func:`~kvguard.guards.replay.vllm_api.failed_transfer_assert`, 0.21.0-0.33.0) it dies
+    in vLLM's worker-role ``get_finished``, while the same trace with the immediate worker
+    finishes. Before the fix the runner built every engine with the immediate worker, so
+    both outcomes were the second."""
     import dataclasses
 
+    from kvguard.guards.replay import report, vllm_api
     from kvguard.guards.replay.jobs import WorkerModel
 
     geo = Geometry(tokens_per_block=8, tokens_per_chunk=8, sliding_window=248, num_gpu_blocks=133,
@@ -317,6 +320,10 @@ def test_run_example_replays_with_the_traces_worker_model():
     ok_outcome, ok = runner.run_example(plain, guard=False)
     assert ok.engine_survived and ok.finished == 1 and ok_outcome.findings == []
     outcome, result = runner.run_example(failing, guard=False)
+    assert [(j["job_id"], j["store"]) for j in report.to_json(result, geo)["worker"]["failed_jobs"]] == [(0, True)]
+    if vllm_api.failed_transfer_assert() is None:  # the release reports it and goes on
+        assert result.engine_survived and result.finished == 1 and outcome.findings == []
+        return
     assert not result.engine_survived
     (finding,) = outcome.findings
     assert "get_finished" in finding.name and "success" in (result.error or "")

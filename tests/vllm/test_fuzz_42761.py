@@ -22,9 +22,9 @@ submission order, which is what vLLM 0.21.0's CPU<->GPU handler does
 ``get_finished`` pops them in order, always ``success=True``); the duplicate ids are in the
 job when the real scheduler-role connector builds it, before any worker sees it.
 
-Measured: 0.21.0 dies, 0.25.1 and 0.33.0 finish all 3 requests. On a release not
-measured (0.26.0, 0.29.0) only the law is checked: the engine dies exactly when a store job
-lists a window block id twice.
+Measured (release fact ``keyerror_42761_dies``, tests/vllm/release_facts.csv): 0.21.0 dies;
+0.25.1, 0.26.0, 0.29.0, 0.33.0 and 0.34.0 finish all 3 requests. On every release the law is
+checked too: the engine dies exactly when a store job lists a window block id twice.
 """
 
 from __future__ import annotations
@@ -35,19 +35,16 @@ from pathlib import Path
 import pytest
 
 from kvguard.guards.fuzz import runner
-from kvguard.guards.instrumentor import installed_vllm_version
+from release_facts import fact
 from kvguard.guards.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 
 TRACE = Path(__file__).parent / "traces" / "fuzz-keyerror-42761.jsonl"
-VERSION = installed_vllm_version()
 CLASS = (
     "KeyError in vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:"
     "OffloadingConnectorScheduler._remove_pending_job via OffloadingConnectorScheduler.update_connector_output"
 )
-#: measured with this trace, --no-guard (module docstring); other releases: not measured
-DIES_42761 = {"0.21.0": True, "0.25.1": False, "0.33.0": False}
 
 
 def _sliding_window_groups(scheduler) -> list[int]:
@@ -79,10 +76,9 @@ def test_the_store_job_lists_stale_window_block_ids_twice_exactly_where_vllm_die
     }
     # on any release: the engine dies exactly when a store lists a window block id twice
     assert (not result.engine_survived) == bool(dup_jobs), (result.error, dup_jobs)
-    if VERSION not in DIES_42761:
-        return  # not measured: only the law above is checked (0.26.0, 0.29.0)
-    assert bool(dup_jobs) == DIES_42761[VERSION]
-    if DIES_42761[VERSION]:
+    dies = bool(fact("keyerror_42761_dies"))  # measured with this trace, --no-guard
+    assert bool(dup_jobs) == dies
+    if dies:
         assert CLASS in outcome.classes
         assert result.error.startswith("KeyError: ")
         key = int(result.error.split(": ", 1)[1])

@@ -18,7 +18,7 @@ try:  # numpy comes with vLLM; the light env collects this module (then deselect
 except ImportError:  # pragma: no cover - light env only
     np = None
 
-from kvguard.guards.replay import harness, report
+from kvguard.guards.replay import harness, vllm_api, report
 if np is not None:
     from kvguard.guards.replay.kv_oracle import GroupLayout, KVOracle
 from kvguard.guards.replay.trace import load_trace
@@ -316,11 +316,11 @@ def _window_blocks(cached: int, tpb: int, window: int, extra: int = 0) -> tuple[
 
 def test_three_groups_with_different_block_sizes(tmp_path) -> None:
     trace = _layout_trace(tmp_path, groups=THREE_GROUPS)
-    if harness.blocks_per_chunk_refusal() is not None:  # 0.21.0, 0.25.1: the clear error instead
+    if vllm_api.blocks_per_chunk_refusal() is not None:  # 0.21.0, 0.25.1: the clear error instead
         with pytest.raises(RuntimeError, match="blocks_per_chunk"):
             harness.build_engine(trace.geometry)
         return
-    if "shared_by" in harness._tensor_fields():
+    if "shared_by" in vllm_api.tensor_fields():
         # 0.26.0 has the blocks_per_chunk key, but its KVCacheTensor is shared by every
         # layer (one page per block id for all groups), which cannot hold groups of
         # different block sizes: the oracle refuses with a clear error (measured on 0.26.0)

@@ -25,7 +25,7 @@ import pytest
 
 from kvguard.guards import admission
 from kvguard.guards.load_coverage import GroupGeometry, load_set
-from kvguard.guards.replay import harness
+from kvguard.guards.replay import harness, vllm_api
 from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
 
 pytestmark = pytest.mark.vllm
@@ -48,14 +48,14 @@ def _stats(result) -> dict[str, Any]:
 def _keep_requests(monkeypatch) -> dict[str, Any]:
     """Keep every Request the harness builds (to read its generated tokens afterwards)."""
     made: dict[str, Any] = {}
-    original = harness._make_request
+    original = vllm_api.make_request
 
-    def make(engine, treq, prompt):
-        req = original(engine, treq, prompt)
-        made[treq.id] = req
+    def make(block_hasher, request_id, prompt, max_tokens):
+        req = original(block_hasher, request_id, prompt, max_tokens)
+        made[request_id] = req
         return req
 
-    monkeypatch.setattr(harness, "_make_request", make)
+    monkeypatch.setattr(vllm_api, "make_request", make)
     return made
 
 

@@ -1,0 +1,77 @@
+"""Measured release facts: what a test can only observe, never read from the release's code.
+
+Most expectations of the vLLM tests are computed from what the installed release's code
+says (the window bound it asserts, whether its worker asserts a transfer's success:
+:mod:`kvguard.guards.vllm_source`, :mod:`kvguard.guards.replay.vllm_api`). What cannot be
+read, only measured, lives in one file, ``tests/vllm/release_facts.csv``: one row per
+release and fact (``release,fact,value,measured``; ``value`` is JSON). A release without a
+row for a fact fails :func:`fact` and ``test_release_facts.py`` with one message naming
+every fact to measure and how. A new vLLM release needs rows here, and nothing else in
+the tests: each row is measured by running the command in the fact's description.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FILE = Path(__file__).with_name("release_facts.csv")
+
+#: Every measured fact, with how to measure it on a new release.
+FACTS: dict[str, str] = {
+    "store_overcounts_straddling_chunk": (
+        "vLLM #42945: `kvguard replay --no-guard --trace seed-42945` dies on `assert sum(group_sizes) "
+        "== len(block_ids)` (true) or every request finishes (false)"
+    ),
+    "seed42945_turn1_store_specs": (
+        "`kvguard replay --json --trace seed-42945`: worker.store_specs of request agent-a/turn-1, "
+        "each as {group_sizes, block_indices}"
+    ),
+    "abort_queued_49118_dies": (
+        "vLLM #49118: `python tests/vllm/degrade_replay.py tests/vllm/traces/abort-queued-49118.jsonl`: "
+        "no_guard.engine_survived is false (true) or true (false)"
+    ),
+    "keyerror_42761_dies": (
+        "vLLM #42761: `kvguard replay --no-guard --trace tests/vllm/traces/fuzz-keyerror-42761.jsonl` "
+        "dies of a KeyError in _remove_pending_job (true) or survives (false)"
+    ),
+}
+
+
+@functools.cache
+def _rows() -> dict[tuple[str, str], Any]:
+    with FILE.open(encoding="utf-8", newline="") as fh:
+        return {(r["release"], r["fact"]): json.loads(r["value"]) for r in csv.DictReader(fh)}
+
+
+def missing(release: str) -> list[str]:
+    """The facts :data:`FACTS` names that have no row for ``release``."""
+    return [name for name in FACTS if (release, name) not in _rows()]
+
+
+def missing_message(release: str) -> str:
+    """One message naming every fact ``release`` lacks and how to measure each."""
+    lines = [f"vLLM {release} has no measured row in {FILE.name} for: {', '.join(missing(release))}."]
+    lines += [f"  {name}: {FACTS[name]}" for name in missing(release)]
+    lines.append(f"Measure each on vLLM {release} and add a row `{release},<fact>,<JSON value>,<date and how>`.")
+    return "\n".join(lines)
+
+
+def fact(name: str) -> Any:
+    """The measured value of fact ``name`` on the installed vLLM (JSON-decoded).
+
+    Fails the calling test with :func:`missing_message` when the release has no row."""
+    from kvguard.guards.instrumentor import installed_vllm_version
+
+    if name not in FACTS:
+        raise KeyError(f"unknown release fact {name!r}; known: {', '.join(FACTS)}")
+    release = installed_vllm_version()
+    try:
+        return _rows()[(release, name)]
+    except KeyError:
+        pytest.fail(missing_message(release), pytrace=False)
