@@ -12,12 +12,12 @@ import pytest
 from packaging.version import Version
 
 from kvguard.guards.release_matrix import RELEASES, release_row
-from kvguard.guards.vllm_source import DEFAULT_CACHE, fetch_sdist, sdist_offload_sources
+from kvguard.guards.vllm_source import DEFAULT_CACHE, fetch_sdist, sdist_package_sources
 
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_release(version):
-    row = release_row(version, sdist_offload_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists")))
+    row = release_row(version, sdist_package_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists")))
     print(f"{version}: {row.in_scope} asserts in scope, {row.rewritten} rewritten, "
           f"window bound {row.window_bound} ({row.window_expr}), per module {row.modules}")
     assert row.in_scope == row.rewritten and row.in_scope >= 40
