@@ -169,20 +169,23 @@ def test_no_assert_is_left_out_of_discovery(scope):
 
 
 def test_check_geometry_reads_the_installed_release(tmp_path):
-    """``check-geometry`` judges the installed release from its own window assert."""
+    """``check-geometry`` judges the installed release from its own window assert: the
+    bound read by :func:`asserted_window_bound` from the installed files (no version
+    table), and a crash verdict exactly when it is below the exact bound of #48959."""
     from click.testing import CliRunner
-    from packaging.version import Version
 
+    from kvguard.guards import invariants
     from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.vllm_source import asserted_window_bound, offload_scope
     from kvguard.sidecar.cli import main
 
     version = installed_vllm_version()
     out = CliRunner().invoke(main, ["check-geometry", "--sliding-window", "4096", "--block-size", "32",
                                     "--chunk-size", "256"])
-    bound = 128 if Version(version) <= Version("0.26.0") else 129  # the release matrix's measurement
-    assert f"installed vLLM {version}: asserts pending <= " in out.output
-    assert f"= {bound} GPU blocks" in out.output
-    assert out.exit_code == (3 if bound == 128 else 0), out.output
+    bound, expression = asserted_window_bound(offload_scope(package_sources())[0], 4096, 32, 256)
+    assert f"installed vLLM {version}: asserts pending <= {expression} = {bound} GPU blocks" in out.output
+    would_crash = bound < invariants.swa_pending_bound(4096, 32, 0)
+    assert out.exit_code == (3 if would_crash else 0), out.output
 
 
 def test_a_planted_assert_in_a_copy_of_a_target_module(tmp_path, installed):
