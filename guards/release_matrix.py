@@ -31,10 +31,12 @@ from kvguard.guards.vllm_source import (
 
 __all__ = ["RELEASES", "ReleaseRow", "release_row", "main"]
 
-#: Every vLLM release from 0.21.0 to 0.33.0 (the supported range), as published.
+#: Every vLLM release from 0.21.0 to 0.34.0 (the measured range,
+#: :data:`kvguard.guards.sites.SUPPORTED_VLLM`), as published.
 RELEASES: tuple[str, ...] = (
     "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
     "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    "0.34.0",
 )
 #: The seed geometry of #48959: sliding window 4096 tokens, GPU block 32, chunk 256.
 SEED_GEOMETRY = (4096, 32, 256)
