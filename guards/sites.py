@@ -277,6 +277,22 @@ def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str | 
     return ".".join([*base, node.module] if node.module else base)
 
 
+def _import_statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every ``import`` statement of ``tree``, at any depth: only statement lists are
+    walked (an import is a statement, never inside an expression), which keeps the role
+    set's cost at the parse itself."""
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, name, None)
+            if isinstance(children, list):
+                todo.extend(children)
+
+
 def imported_modules(module: str, tree: ast.Module, known: Collection[str], is_package: bool = False) -> set[str]:
     """The modules of ``known`` that ``module``'s source (``tree``) imports statically.
 
@@ -288,7 +304,7 @@ def imported_modules(module: str, tree: ast.Module, known: Collection[str], is_p
     (``is_package``: ``module`` is a package's ``__init__``). A module never imports
     itself. Pure."""
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _import_statements(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom):

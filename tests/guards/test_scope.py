@@ -238,3 +238,19 @@ class TestLiveInstall:
         assert scope(f"{KV}.pointer_utils")  # in: the pre-issue-20 scope, never less
         assert not scope(f"{KV}.cpu.gpu_worker")
         assert runtime.guard_errors() == {"install": 1}
+
+
+def test_imports_are_found_at_any_depth():
+    """Inside functions, classes, if/try/except/finally/with/for/while/match: every one."""
+    src = (
+        "import vllm.v1.kv_offload.m0\n"
+        "if TYPE_CHECKING:\n    from vllm.v1.kv_offload import m1\nelse:\n    import vllm.v1.kv_offload.m2\n"
+        "try:\n    import vllm.v1.kv_offload.m3\nexcept ImportError:\n    import vllm.v1.kv_offload.m4\n"
+        "finally:\n    import vllm.v1.kv_offload.m5\n"
+        "class C:\n    def f(self):\n        with x:\n            for i in y:\n                while z:\n"
+        "                    import vllm.v1.kv_offload.m6\n"
+        "match q:\n    case 1:\n        import vllm.v1.kv_offload.m7\n"
+        "x = [__import__('vllm.v1.kv_offload.m8')]\n"  # a call, not a static import
+    )
+    known = {f"{KV}.m{i}" for i in range(9)}
+    assert imported_modules(f"{KV}.other", ast.parse(src), known) == {f"{KV}.m{i}" for i in range(8)}
