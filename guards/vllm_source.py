@@ -5,10 +5,15 @@
   sha256-checked against the index, cached in ``~/.cache/kvguard/sdists`` (a cached file
   whose bytes match its ``.sha256`` needs no network). ``pip download --no-binary`` is
   not used: it would build the sdist's metadata, which needs torch.
-- :func:`sdist_offload_sources` / :func:`installed_offload_sources`: ``{module: source}``
-  for every module kvguard's scope rule accepts (:func:`kvguard.guards.sites.in_scope`),
-  read from the tarball or from the installed package's files (nothing is imported);
-  :func:`installed_module_source`: one installed module's source, likewise.
+- :func:`sdist_package_sources` / :func:`installed_package_sources`: ``{module: source}``
+  for every module of the offload packages (:func:`kvguard.guards.sites.in_offload_packages`,
+  worker modules included: the scope rule's by-import part reads their imports), read
+  from the tarball or from the installed package's files (nothing is imported);
+  :func:`sdist_offload_sources` / :func:`installed_offload_sources`: the same, kept to
+  the modules kvguard's scope rule accepts (:func:`offload_scope`: the by-name rule plus
+  :func:`kvguard.guards.sites.worker_side_modules` over those sources, the one rule of the
+  live install and the release matrix); :func:`installed_module_source`: one installed
+  module's source, likewise.
 - :func:`asserted_window_bound`: the bound the release's own window assert computes for
   a geometry, by evaluating that assert's bound expression (found by
   :func:`kvguard.guards.sites.discover`) with the window in chunks from the release's own
@@ -33,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from kvguard.guards.invariants import cdiv
-from kvguard.guards.sites import SPECIAL_WINDOW, discover, in_scope
+from kvguard.guards.sites import (
+    CONNECTOR_MODULE,
+    SCOPE_PACKAGES,
+    SPECIAL_WINDOW,
+    discover,
+    in_offload_packages,
+    in_scope,
+    worker_side_modules,
+)
 
 __all__ = [
     "SourceError",
@@ -43,7 +56,10 @@ __all__ = [
     "index_file_entry",
     "find_in_simple_page",
     "fetch_sdist",
+    "offload_scope",
+    "sdist_package_sources",
     "sdist_offload_sources",
+    "installed_package_sources",
     "installed_offload_sources",
     "installed_module_source",
     "asserted_window_bound",
@@ -162,6 +178,12 @@ def _sha256(path: Path) -> str:
 # --------------------------------------------------------------------------- extract
 
 
+#: Folders (and the connector file) of the offload packages, relative to ``vllm/``.
+_PACKAGE_DIRS: tuple[tuple[str, ...], ...] = tuple(
+    tuple(name.split(".")[1:]) for name in (*SCOPE_PACKAGES, CONNECTOR_MODULE)
+)
+
+
 def _module_name(rel: str) -> str | None:
     """``vllm/v1/kv_offload/base.py`` -> ``vllm.v1.kv_offload.base`` (None for non-.py)."""
     if not rel.endswith(".py"):
@@ -170,8 +192,17 @@ def _module_name(rel: str) -> str | None:
     return name.removesuffix(".__init__")
 
 
-def sdist_offload_sources(sdist: Path) -> dict[str, str]:
-    """``{module: source}`` of every in-scope module in a vLLM sdist (read, not extracted)."""
+def offload_scope(package_sources: dict[str, str]) -> tuple[dict[str, str], frozenset[str]]:
+    """``(in-scope sources, worker-side modules)`` of one release's offload-package sources
+    (:func:`sdist_package_sources` or :func:`installed_package_sources`): the scope rule
+    of :mod:`kvguard.guards.sites`, by name and by import. Pure."""
+    worker_side = worker_side_modules(package_sources)
+    return {m: src for m, src in package_sources.items() if in_scope(m, worker_side)}, worker_side
+
+
+def sdist_package_sources(sdist: Path) -> dict[str, str]:
+    """``{module: source}`` of every module of the offload packages in a vLLM sdist (read,
+    not extracted)."""
     out: dict[str, str] = {}
     with tarfile.open(sdist, "r:gz") as tar:
         for member in tar:
@@ -181,7 +212,7 @@ def sdist_offload_sources(sdist: Path) -> dict[str, str]:
             if not rel.startswith("vllm/"):
                 continue
             name = _module_name(rel)
-            if name and in_scope(name):
+            if name and in_offload_packages(name):
                 f = tar.extractfile(member)
                 if f is not None:
                     out[name] = f.read().decode("utf-8")
@@ -190,19 +221,34 @@ def sdist_offload_sources(sdist: Path) -> dict[str, str]:
     return out
 
 
-def installed_offload_sources() -> dict[str, str]:
-    """``{module: source}`` of every in-scope module of the installed vLLM (files only;
-    ``vllm`` is located, never imported). Raises :class:`SourceError` without vLLM."""
+def sdist_offload_sources(sdist: Path) -> dict[str, str]:
+    """``{module: source}`` of every in-scope module in a vLLM sdist (:func:`offload_scope`)."""
+    return offload_scope(sdist_package_sources(sdist))[0]
+
+
+def installed_package_sources() -> dict[str, str]:
+    """``{module: source}`` of every module of the offload packages of the installed vLLM
+    (files only; ``vllm`` is located, never imported). Raises :class:`SourceError`
+    without vLLM."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.origin:
         raise SourceError("vLLM is not installed")
     root = Path(spec.origin).parent
     out: dict[str, str] = {}
-    for path in root.rglob("*.py"):
-        name = _module_name("vllm/" + path.relative_to(root).as_posix())
-        if name and in_scope(name):
-            out[name] = path.read_text(encoding="utf-8")
+    for sub in _PACKAGE_DIRS:
+        base = root.joinpath(*sub)
+        paths = [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else sorted(base.rglob("*.py"))
+        for path in paths:
+            name = _module_name("vllm/" + path.relative_to(root).as_posix())
+            if name and in_offload_packages(name) and path.is_file():
+                out[name] = path.read_text(encoding="utf-8")
     return out
+
+
+def installed_offload_sources() -> dict[str, str]:
+    """``{module: source}`` of every in-scope module of the installed vLLM
+    (:func:`offload_scope`). Raises :class:`SourceError` without vLLM."""
+    return offload_scope(installed_package_sources())[0]
 
 
 def installed_module_source(module: str) -> str | None:

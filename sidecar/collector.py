@@ -22,7 +22,9 @@ Series served (besides whatever the engine plugin writes):
   file was lost (or the reverse) is still counted, and nothing is counted twice. The
   common exception types (:data:`PRECREATED_EXCEPTIONS`) exist at 0 from the start, so
   ``increase()`` sees their first event.
-- ``kvguard_build_info{kvguard_version,vllm_version}``  gauge, always 1
+- ``kvguard_build_info{kvguard_version,vllm_version,vllm_support}``  gauge, always 1;
+  ``vllm_support``: ``measured``, ``unmeasured`` or ``unknown``
+  (:func:`kvguard.guards.sites.vllm_support` of ``vllm_version``, issue 20 item 7)
 - ``kvguard_sidecar_errors_total{source}``   counter: state-dir problems first met
 - ``kvguard_sidecar_unreadable{source}``     gauge: state-dir paths unreadable now
   (:mod:`kvguard.sidecar.problems`)
@@ -365,12 +367,16 @@ class SidecarCollector(Collector):
             value=float(v.deaths),
         )
         yield merge_fatal(self.engine_fatal, v.fatal_records)
+        # stdlib-only (packaging is imported lazily by the function): the declared support
+        # of the vLLM version served here, the plugin's own rule (issue 20 item 7)
+        from kvguard.guards.sites import vllm_support
+
         info = GaugeMetricFamily(
             "kvguard_build_info",
-            "kvguard and vLLM versions; always 1.",
-            labels=["kvguard_version", "vllm_version"],
+            "kvguard and vLLM versions, and whether kvguard was measured on that vLLM release; always 1.",
+            labels=["kvguard_version", "vllm_version", "vllm_support"],
         )
-        info.add_metric([v.kvguard_version, v.vllm_version], 1.0)
+        info.add_metric([v.kvguard_version, v.vllm_version, vllm_support(v.vllm_version)], 1.0)
         yield info
         err = CounterMetricFamily(
             "kvguard_sidecar_errors",

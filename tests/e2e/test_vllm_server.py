@@ -69,7 +69,7 @@ def test_a_normal_running_then_b_engine_death_under_kvguard(fleet):
         )
         assert installed, "the sidecar does not serve EngineCore's kvguard_site_installed"
         assert m[("kvguard_engine_up", ())] == 1.0
-        assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0"))) in m
+        assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", "0.32.0"))) in m
 
         # (b) SIGKILL EngineCore: /livez must turn 503 within 1 s.
         # vLLM's own /health is polled in the same loop, to show where the time goes.

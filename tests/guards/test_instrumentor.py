@@ -12,7 +12,8 @@ from kvguard.guards import events, names, runtime
 from kvguard.guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
 from kvguard.guards.rewrite import INJECTED_GLOBALS, fingerprint_id
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import known_site_ids
+from kvguard.guards.sites import MEASURED_VLLM_RELEASES, known_site_ids, vllm_relation, vllm_support
+from packaging.version import Version
 
 import fakevllm
 from guardtools import (
@@ -262,3 +263,107 @@ def test_disable_setting_installs_nothing(tmp_path, metrics):
         assert not OffloadGuardInstrumentor().is_installed
         base, _ = load()
         assert "@kvguard_check" not in vars(base)
+
+
+class TestDeclaredSupport:
+    """Issue 20 item 7: outside the measured releases kvguard installs anyway, says so once
+    (event ``vllm_unmeasured`` naming the measured range) and never blocks the engine; the
+    versions are patched through ``importlib.metadata`` (the fake dist-info)."""
+
+    @pytest.fixture(autouse=True)
+    def _fresh_reports(self, monkeypatch):
+        from kvguard.guards import instrumentor
+
+        monkeypatch.setattr(instrumentor, "_unmeasured_reported", set())
+
+    def install_twice(self, tmp_path, metrics, version):
+        """Install, uninstall, install again (and a repeated install) on a fake vLLM ``version``."""
+        with fakevllm.fake_vllm(tmp_path, version=version), events.capture() as logged:
+            inst = OffloadGuardInstrumentor()
+            assert installed_vllm_version() == version
+            assert inst.install(GuardSettings(), metrics=metrics) is True
+            base, _ = load()
+            installed = inst.site_status().get(SITE_GROUP_SIZES_SUM)
+            inst.install(GuardSettings(), metrics=metrics)  # vLLM loads general plugins repeatedly
+            inst.uninstall()
+            assert inst.install(GuardSettings(), metrics=metrics) is True
+            bad_spec(base)
+            inst.uninstall()
+        return logged, installed
+
+    @pytest.mark.parametrize("version", [MEASURED_VLLM_RELEASES[0], MEASURED_VLLM_RELEASES[-1],
+                                         MEASURED_VLLM_RELEASES[-1] + "+cu130"])
+    def test_a_measured_release_logs_no_warning(self, tmp_path, metrics, version):
+        logged, installed = self.install_twice(tmp_path, metrics, version)
+        assert installed == "installed"
+        assert not [e for e in logged if e["event"] == names.EVENT_VLLM_UNMEASURED]
+        firsts = [e for e in logged if e["event"] == "installed" and not e.get("repeat")]
+        assert [e["vllm_support"] for e in firsts] == ["measured", "measured"]
+
+    @pytest.mark.parametrize("relation", ["newer", "older", "unlisted"])
+    def test_an_unmeasured_release_installs_and_says_so_once(self, tmp_path, registry, metrics, relation):
+        newest, oldest = Version(MEASURED_VLLM_RELEASES[-1]), Version(MEASURED_VLLM_RELEASES[0])
+        version = {
+            "newer": f"{newest.major}.{newest.minor + 1}.0",
+            "older": f"{oldest.major}.{oldest.minor - 1}.0",
+            "unlisted": f"{MEASURED_VLLM_RELEASES[-1]}rc1",
+        }[relation]
+        logged, installed = self.install_twice(tmp_path, metrics, version)
+        assert installed == "installed"  # the guard works as on a measured release
+        (event,) = [e for e in logged if e["event"] == names.EVENT_VLLM_UNMEASURED]
+        assert (event["vllm_version"], event["vllm_support"], event["relation"]) == (version, "unmeasured", relation)
+        assert event["measured_range"] == f">={MEASURED_VLLM_RELEASES[0]},<={MEASURED_VLLM_RELEASES[-1]}"
+        assert event["log_level"] == "warning" and "installs anyway" in event["reason"]
+        firsts = [e for e in logged if e["event"] == "installed" and not e.get("repeat")]
+        assert [e["vllm_support"] for e in firsts] == ["unmeasured", "unmeasured"]
+        # and the guard counted the failing assert on that release, as on any other
+        labels = {"check": "group_sizes_consistency", "action": "raised"}
+        assert sample(registry, "kvguard_invariant_violations_total", **labels) == 1
+
+    def test_patched_metadata_version(self, tmp_path, metrics, monkeypatch):
+        """The version comes from ``importlib.metadata`` (patched here over the fake dist)."""
+        with fakevllm.fake_vllm(tmp_path):
+            monkeypatch.setattr(importlib.metadata, "version", lambda dist: "99.0.0")
+            with events.capture() as logged:
+                assert OffloadGuardInstrumentor().install(GuardSettings(), metrics=metrics) is True
+            (event,) = [e for e in logged if e["event"] == names.EVENT_VLLM_UNMEASURED]
+            assert (event["vllm_version"], event["relation"]) == ("99.0.0", "newer")
+
+    def test_the_plugin_entry_point_never_blocks(self, tmp_path, monkeypatch):
+        from kvguard.guards import plugin
+
+        with fakevllm.fake_vllm(tmp_path, version="99.0.0"), events.capture() as logged:
+            assert plugin.register(GuardSettings()) is True
+            assert plugin.register(GuardSettings()) is True  # a repeat: installed, no second warning
+        assert len([e for e in logged if e["event"] == names.EVENT_VLLM_UNMEASURED]) == 1
+
+
+class TestVllmSupportLabel:
+    """``vllm_support`` / ``vllm_relation`` over the measured list and its neighbours."""
+
+    def test_every_measured_release_and_its_local_builds(self):
+        for release in MEASURED_VLLM_RELEASES:
+            for version in (release, f"{release}+cpu", f"{release}+cu130"):
+                assert vllm_support(version) == "measured", version
+                assert vllm_relation(version) is None
+
+    def test_neighbours_are_unmeasured(self):
+        for release in MEASURED_VLLM_RELEASES:
+            v = Version(release)
+            for other in (f"{release}rc1", f"{release}.post1", f"{release}.dev0", f"{v.major}.{v.minor}.{v.micro + 7}"):
+                assert vllm_support(other) == "unmeasured", other
+        newest, oldest = Version(MEASURED_VLLM_RELEASES[-1]), Version(MEASURED_VLLM_RELEASES[0])
+        assert vllm_relation(f"{newest.major}.{newest.minor + 1}.0") == "newer"
+        assert vllm_relation(f"{newest.major}.{newest.minor}.{newest.micro + 1}.dev3+g0abc") == "newer"
+        assert vllm_relation(f"{oldest.major}.{oldest.minor - 1}.2") == "older"
+        assert vllm_relation("not-a-version") == "unlisted" and vllm_support("not-a-version") == "unmeasured"
+
+    def test_unknown(self):
+        assert {vllm_support(v) for v in (None, "", "unknown")} == {"unknown"}
+        assert set(names.VLLM_SUPPORTS) == {"measured", "unmeasured", "unknown"}
+
+    def test_the_release_matrix_reads_exactly_the_measured_releases(self):
+        from kvguard.guards.release_matrix import RELEASES
+
+        assert RELEASES == MEASURED_VLLM_RELEASES
+        assert list(MEASURED_VLLM_RELEASES) == sorted(MEASURED_VLLM_RELEASES, key=Version)

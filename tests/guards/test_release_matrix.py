@@ -1,29 +1,97 @@
-"""The source-only release matrix for all 16 releases 0.21.0-0.33.0 (issue 8).
+"""The source-only release matrix for every release of ``RELEASES`` (issue 8, issue 20).
 
 Each release's own sources (its sdist from the package index, cached under
-``~/.cache/kvguard/sdists``; nothing installed, no torch) go through kvguard's discovery
-and rewriter: every assert in scope must be rewritten, every special site matched, and
-the window bound the release asserts for 4096/32/256 read from its own code.
+``~/.cache/kvguard/sdists``; nothing installed, no torch) go through kvguard's scope rule,
+discovery and rewriter. Every expectation is computed from what the release's code says,
+never from a per-release table: the asserts in scope are counted here independently (every
+``ast.Assert`` inside a function of an in-scope module), the worker-side modules by import
+are checked against their importers read from the sources, and the window bound is what
+the release's own window assert computes (:func:`asserted_window_bound`), judged against
+the exact bound of #48959.
 """
 
 from __future__ import annotations
 
-import pytest
-from packaging.version import Version
+import ast
 
-from kvguard.guards.release_matrix import RELEASES, release_row
-from kvguard.guards.vllm_source import DEFAULT_CACHE, fetch_sdist, sdist_offload_sources
+import pytest
+
+from kvguard.guards import invariants
+from kvguard.guards.geometry import tripping_remainders
+from kvguard.guards.release_matrix import RELEASES, SEED_GEOMETRY, release_row
+from kvguard.guards.rewrite import iter_functions
+from kvguard.guards.sites import (
+    CONNECTOR_MODULE,
+    imported_modules,
+    in_scope,
+    worker_by_name,
+    worker_role,
+)
+from kvguard.guards.vllm_source import (
+    DEFAULT_CACHE,
+    asserted_window_bound,
+    fetch_sdist,
+    offload_scope,
+    sdist_package_sources,
+)
+
+
+def count_asserts(module: str, source: str) -> int:
+    """Every assert inside a function (connector module: scheduler-role functions only)."""
+    return sum(
+        isinstance(node, ast.Assert)
+        for _, func, _ in iter_functions(ast.parse(source))
+        if not (module == CONNECTOR_MODULE and worker_role(func))
+        for node in ast.walk(func)
+    )
+
+
+def importers(package: dict[str, str]) -> dict[str, set[str]]:
+    known = set(package)
+    out: dict[str, set[str]] = {m: set() for m in package}
+    for module, source in package.items():
+        is_package = any(other.startswith(module + ".") for other in package)
+        for target in imported_modules(module, ast.parse(source), known, is_package):
+            out[target].add(module)
+    return out
 
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_release(version):
-    row = release_row(version, sdist_offload_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists")))
+    package = sdist_package_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists"))
+    row = release_row(version, package)
+    sources, worker_side = offload_scope(package)
     print(f"{version}: {row.in_scope} asserts in scope, {row.rewritten} rewritten, "
-          f"window bound {row.window_bound} ({row.window_expr}), per module {row.modules}")
-    assert row.in_scope == row.rewritten and row.in_scope >= 40
+          f"window bound {row.window_bound} ({row.window_expr}), worker-side by import "
+          f"{row.worker_side_by_import}, per module {row.modules}")
+
+    # every assert in scope, counted here, is rewritten
+    expected = {m: n for m, src in sources.items() if (n := count_asserts(m, src))}
+    assert {m: counts[0] for m, counts in row.modules.items()} == expected
     assert all(scope == rewritten for scope, rewritten in row.modules.values()), row.modules
+    assert row.in_scope == row.rewritten == sum(expected.values())
     assert row.special_expected == ["group_sizes", "store_drop", "store_keys", "swa_pending_bound"]
     assert row.special_missing == []
-    # measured: the strict bound (#48959) up to 0.26.0, the `+ 1` of #49052 from 0.27.0 on
-    assert row.window_bound == (128 if Version(version) <= Version("0.26.0") else 129)
+
+    # the scope rule's by-import part, checked against the importers read from the sources:
+    # each module it takes out has importers, all worker-side; no in-scope module imports one
+    by = importers(package)
+    assert row.worker_side_by_import == sorted(m for m in worker_side if not worker_by_name(m))
+    for module in row.worker_side_by_import:
+        assert by[module] and by[module] <= worker_side, (module, by[module])
+        assert not in_scope(module, worker_side) and module not in sources
+    for module in sources:
+        assert not (by[module] and by[module] <= worker_side) or module == CONNECTOR_MODULE, module
+
+    # vLLM's own window bound, read from its code; a legal load exceeds it iff it is below
+    # the exact bound (#48959), and then the incident's 98012 cached tokens trip it
+    bound, expression = asserted_window_bound(sources, *SEED_GEOMETRY)
+    assert (row.window_bound, row.window_expr) == (bound, expression)
     assert "sliding_window_size_in" in row.window_expr
+    window, tokens_per_block, _ = SEED_GEOMETRY
+    exact = invariants.swa_pending_bound(window, tokens_per_block, 0)
+    first, remainders = tripping_remainders(window, tokens_per_block, 0, bound)
+    assert bool(remainders) == (bound < exact)
+    assert (98012 % tokens_per_block in remainders) == (bound < exact)
+    print(f"{version}: vLLM's bound {bound} vs exact {exact}: "
+          f"{'trips at 98012' if bound < exact else 'allows every legal load'}")

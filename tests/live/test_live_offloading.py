@@ -256,7 +256,7 @@ def test_prometheus_scrapes_kvguard_and_vllm_series_with_the_alert_rules(live):
     # kvguard's series (from EngineCore, via the sidecar) and vLLM's offload series
     for expr in ('kvguard_check_evaluations_total{job="kvguard",check="swa_pending_bound"} >= 1',
                  'kvguard_site_installed{job="kvguard"} == 1',
-                 'kvguard_build_info{job="kvguard",vllm_version="0.32.0"}',
+                 'kvguard_build_info{job="kvguard",vllm_version="0.32.0",vllm_support="measured"}',
                  'vllm:kv_offload_load_bytes_total{job="vllm"} > 0',
                  'vllm:external_prefix_cache_hits_total{job="vllm"} > 0'):
         assert wait_for(lambda: prom.query(expr), 20, f"prometheus: {expr}"), expr

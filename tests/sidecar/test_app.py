@@ -90,7 +90,7 @@ def test_metrics_merge_multiprocess_files_across_pids(fake, tmp_path):
         m = samples(text)
         assert m[("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),))] == 7.0
         assert m[("kvguard_engine_fatal_total", (("exception", "AssertionError"),))] == 1.0
-        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0")))] == 1.0
+        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", "0.32.0")))] == 1.0
         assert text.count("# TYPE kvguard_engine_fatal_total counter") == 1
         status = client.get("/status").json()
         from kvguard.guards.names import CHECKS
@@ -128,7 +128,7 @@ def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
         assert m[("kvguard_engine_fatal_total", (("exception", "AssertionError"),))] == 1.0
         assert m[("kvguard_engine_fatal_total", (("exception", "RuntimeError"),))] == 1.0
         assert m[("kvguard_engine_deaths_total", ())] == 1.0
-        assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "0.32.0"))) in m
+        assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", "0.32.0"))) in m
 
 
 def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_path):
@@ -222,7 +222,7 @@ def test_vllm_version_null_is_unknown_and_is_read_again_after_a_restart(fake):
         busy_wait(lambda: client.get("/livez").status_code == 200)
         busy_wait(lambda: client.get("/status").json()["engine"]["polls"] > 3)
         m = samples(client.get("/metrics").text)
-        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_version", "unknown")))] == 1.0
+        assert m[("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_support", "unknown"), ("vllm_version", "unknown")))] == 1.0
         fake.health = 503  # the container restarts with another vLLM
         busy_wait(lambda: client.get("/livez").status_code == 503)
         fake.version, fake.health = "0.33.0", 200
@@ -236,3 +236,31 @@ def test_a_timeout_names_what_it_waited_for():
     assert _describe_error(httpx.ConnectError("[Errno 111] Connection refused"), 0.5) == (
         "ConnectError: [Errno 111] Connection refused"
     )
+
+
+def test_build_info_says_whether_kvguard_was_measured_on_the_vllm_release(fake):
+    """Issue 20 item 7: ``kvguard_build_info{vllm_support}`` is the plugin's own rule
+    (:func:`kvguard.guards.sites.vllm_support`) on the version vLLM's ``/version`` reports:
+    a newer release is served (never refused) as ``unmeasured``; after a restart on a
+    measured release (a local build label ignored) it is ``measured``."""
+    from packaging.version import Version
+
+    from kvguard.guards.sites import MEASURED_VLLM_RELEASES
+
+    newest = Version(MEASURED_VLLM_RELEASES[-1])
+    newer = f"{newest.major}.{newest.minor + 1}.0"
+    measured = f"{MEASURED_VLLM_RELEASES[-1]}+cu130"
+
+    def build_info(client):
+        m = samples(client.get("/metrics").text)
+        return [labels for (name, labels) in m if name == "kvguard_build_info"]
+
+    fake.version = newer
+    with TestClient(create_app(cfg(fake.url))) as client:
+        busy_wait(lambda: client.get("/status").json()["versions"]["vllm"] == newer)
+        assert build_info(client) == [(("kvguard_version", "0.1.0"), ("vllm_support", "unmeasured"), ("vllm_version", newer))]
+        fake.health = 503
+        busy_wait(lambda: client.get("/livez").status_code == 503)
+        fake.version, fake.health = measured, 200
+        busy_wait(lambda: client.get("/status").json()["versions"]["vllm"] == measured)
+        assert build_info(client) == [(("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", measured))]

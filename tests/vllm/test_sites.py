@@ -21,7 +21,7 @@ from kvguard.guards.rewrite import GLOBAL_CHECK
 from kvguard.guards.settings import GuardSettings
 from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, in_scope
 
-from vllmscope import discovered, import_scope, scope_module_names
+from vllmscope import discovered, import_scope, package_sources, scope_module_names, worker_side
 
 pytestmark = pytest.mark.vllm
 
@@ -63,6 +63,53 @@ def test_scope_rule_keeps_the_worker_side_out():
     assert not [n for n in names if n.endswith((".worker", "gpu_worker")) or ".worker." in n]
     assert not in_scope("vllm.v1.kv_offload.cpu.gpu_worker")
     assert not in_scope("vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker")
+
+
+POINTER_UTILS = "vllm.v1.kv_offload.pointer_utils"
+
+
+def static_reach(start: str, package: dict[str, str], ws: frozenset[str]) -> set[str]:
+    """The offload modules ``start`` imports statically, followed through in-scope modules."""
+    from kvguard.guards.sites import imported_modules
+
+    seen, todo = {start}, [start]
+    while todo:
+        module = todo.pop()
+        is_package = any(other.startswith(module + ".") for other in package)
+        for target in imported_modules(module, ast.parse(package[module]), set(package), is_package):
+            if target not in seen:
+                seen.add(target)
+                if in_scope(target, ws):
+                    todo.append(target)
+    return seen - {start}
+
+
+def test_scope_by_role_on_the_installed_release(installed):
+    """Issue 20 item 6: a module that only worker code imports is out of scope (on 0.34.0,
+    ``pointer_utils``: ``offloading/worker.py``, ``cpu/gpu_worker.py`` and ``fs/worker.py``
+    import it), and nothing the scheduler imports is taken out by that rule. The live
+    install (the hook's role set, read by kvguard's reader) and the source matrix's
+    function agree with the role set computed here from the files."""
+    import importlib
+
+    from kvguard.guards.release_matrix import release_row
+    from kvguard.guards.sites import worker_by_name
+    from kvguard.guards.vllm_source import installed_package_sources
+
+    inst, _ = installed
+    package, ws = package_sources(), worker_side()
+    assert installed_package_sources() == package
+    by_import = sorted(m for m in ws if not worker_by_name(m))
+    reach = static_reach(SCHEDULER, package, ws)
+    assert BASE in reach and not reach & set(by_import), reach & set(by_import)
+    assert release_row("installed", package).worker_side_by_import == by_import
+    if POINTER_UTILS in package:  # the module of the issue (0.34.0 has it)
+        assert POINTER_UTILS in by_import and POINTER_UTILS not in scope_module_names()
+        module = importlib.import_module(POINTER_UTILS)
+        assert inst.report()["worker_side_by_import"] == by_import
+        assert POINTER_UTILS not in inst.report()["modules"]
+        assert not [s for s in inst.site_status() if s.startswith("kv_offload.pointer_utils:")]
+        assert "@kvguard_check" not in vars(module)
 
 
 def test_the_scheduler_side_imports(scope):
@@ -122,20 +169,23 @@ def test_no_assert_is_left_out_of_discovery(scope):
 
 
 def test_check_geometry_reads_the_installed_release(tmp_path):
-    """``check-geometry`` judges the installed release from its own window assert."""
+    """``check-geometry`` judges the installed release from its own window assert: the
+    bound read by :func:`asserted_window_bound` from the installed files (no version
+    table), and a crash verdict exactly when it is below the exact bound of #48959."""
     from click.testing import CliRunner
+
+    from kvguard.guards import invariants
     from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.vllm_source import asserted_window_bound, offload_scope
     from kvguard.sidecar.cli import main
 
     version = installed_vllm_version()
     out = CliRunner().invoke(main, ["check-geometry", "--sliding-window", "4096", "--block-size", "32",
                                     "--chunk-size", "256"])
-    from guardtools_vllm import seed_window_bound
-
-    bound = seed_window_bound()[0]  # what the release's own window assert allows (its code)
-    assert f"installed vLLM {version}: asserts pending <= " in out.output
-    assert f"= {bound} GPU blocks" in out.output
-    assert out.exit_code == (3 if bound == 128 else 0), out.output
+    bound, expression = asserted_window_bound(offload_scope(package_sources())[0], 4096, 32, 256)
+    assert f"installed vLLM {version}: asserts pending <= {expression} = {bound} GPU blocks" in out.output
+    would_crash = bound < invariants.swa_pending_bound(4096, 32, 0)
+    assert out.exit_code == (3 if would_crash else 0), out.output
 
 
 def test_a_planted_assert_in_a_copy_of_a_target_module(tmp_path, installed):

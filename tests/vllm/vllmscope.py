@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 from pathlib import Path
 
-from kvguard.guards.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope
+from kvguard.guards.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope, worker_side_modules
 
 
-def scope_module_names() -> list[str]:
-    """Every module of the installed vLLM that kvguard's scope rule accepts (by file)."""
+@functools.cache
+def package_sources() -> dict[str, str]:
+    """``{module: source}`` of every module of the installed vLLM's offload packages, found
+    by walking its files here (not with kvguard's own reader, which it checks)."""
     root = Path(importlib.util.find_spec("vllm").origin).parent
-    out = []
+    out = {}
     for pkg in (*SCOPE_PACKAGES, CONNECTOR_MODULE):
         rel = Path(*pkg.split(".")[1:])
         base = root / rel
@@ -21,10 +24,20 @@ def scope_module_names() -> list[str]:
         for f in files:
             parts = f.relative_to(root).with_suffix("").parts
             name = ".".join(("vllm", *parts))
-            name = name.removesuffix(".__init__")
-            if in_scope(name):
-                out.append(name)
-    return sorted(set(out))
+            out[name.removesuffix(".__init__")] = f.read_text()
+    return out
+
+
+@functools.cache
+def worker_side() -> frozenset[str]:
+    """The installed release's worker-side modules (the scope rule's role set)."""
+    return worker_side_modules(package_sources())
+
+
+def scope_module_names() -> list[str]:
+    """Every module of the installed vLLM that kvguard's scope rule accepts (by file)."""
+    ws = worker_side()
+    return sorted(name for name in package_sources() if in_scope(name, ws))
 
 
 def import_scope() -> tuple[dict[str, object], dict[str, str]]:
@@ -41,4 +54,4 @@ def import_scope() -> tuple[dict[str, object], dict[str, str]]:
 
 def discovered(module: object) -> Discovery:
     """What kvguard's discovery finds in an imported module's own source."""
-    return discover(module.__name__, ast.parse(Path(module.__file__).read_text()))
+    return discover(module.__name__, ast.parse(Path(module.__file__).read_text()), worker_side())
