@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "DIR_MODE",
@@ -69,8 +70,11 @@ __all__ = [
     "MAX_MESSAGE_CHARS",
     "MAX_RECORD_BYTES",
     "FatalRecord",
+    "KINDS",
+    "RecordError",
     "StateDir",
     "file_kind",
+    "os_error_reason",
     "StateFileError",
     "read_fatal_records",
     "write_fatal_record",
@@ -78,6 +82,21 @@ __all__ = [
 
 METRICS_DIR = "metrics"
 FATAL_DIR = "fatal"
+#: Why a state file was not used: :class:`StateFileError` ``kind`` and
+#: :func:`os_error_reason` values. They are the sidecar's ``reason`` label values
+#: (``kvguard.guards.names.SIDECAR_REASONS``, the closed set); this module stays stdlib
+#: only, so it spells them out and a test keeps the two equal.
+KIND_CORRUPT = "corrupt"
+KIND_TOO_LARGE = "too_large"
+KIND_NOT_REGULAR = "not_regular"
+KIND_MISSING = "missing"
+KIND_PERMISSION_DENIED = "permission_denied"
+KIND_NOT_A_DIRECTORY = "not_a_directory"
+KIND_IO_ERROR = "io_error"
+KINDS: tuple[str, ...] = (
+    KIND_CORRUPT, KIND_TOO_LARGE, KIND_NOT_REGULAR, KIND_MISSING, KIND_PERMISSION_DENIED,
+    KIND_NOT_A_DIRECTORY, KIND_IO_ERROR,
+)
 #: A message longer than this is cut (and ends with "..."): exception text can be huge
 #: (whole tensors, request dumps) and the record must stay small.
 MAX_MESSAGE_CHARS = 2000
@@ -106,11 +125,25 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
 
 class StateFileError(ValueError):
     """A state file that is truncated, not JSON, too large, not a regular file, or misses a
-    field. ``kind``: ``"corrupt"``, ``"too_large"`` or ``"not_regular"``."""
+    field. ``kind`` (:data:`KINDS`) is the sidecar's ``reason`` label: ``"corrupt"``,
+    ``"too_large"`` or ``"not_regular"``."""
 
-    def __init__(self, message: str, kind: str = "corrupt") -> None:
+    def __init__(self, message: str, kind: str = KIND_CORRUPT) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class RecordError(NamedTuple):
+    """A fatal-record path that was not read: ``name`` (``"<file>.json"``, or ``"fatal/"``
+    for the directory), ``reason`` (one of :data:`KINDS`) and ``detail`` (free text for
+    logs and /status). ``str()`` is ``"<name>: <detail>"``."""
+
+    name: str
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}"
 
 
 @dataclass(frozen=True)
@@ -302,12 +335,12 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> tuple[int, o
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
+            raise StateFileError("a symlink (not followed)", kind=KIND_NOT_REGULAR) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind=KIND_NOT_REGULAR)
     except BaseException:
         os.close(fd)
         raise
@@ -324,7 +357,7 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
     fd, st = open_regular(path, dir_fd=dir_fd)
     try:
         if st.st_size > limit:
-            raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind="too_large")
+            raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind=KIND_TOO_LARGE)
         chunks = []
         left = limit + 1
         while left > 0:
@@ -335,7 +368,7 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
             left -= len(b)
         data = b"".join(chunks)
         if len(data) > limit:
-            raise StateFileError(f"more than {limit} bytes", kind="too_large")
+            raise StateFileError(f"more than {limit} bytes", kind=KIND_TOO_LARGE)
         return data
     finally:
         os.close(fd)
@@ -355,7 +388,7 @@ def file_kind(mode: int) -> str:
 def parse_fatal_record(raw: bytes) -> FatalRecord:
     """Validate and parse one record file's bytes. Raises :class:`StateFileError`."""
     if len(raw) > MAX_RECORD_BYTES:
-        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}", kind="too_large")
+        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}", kind=KIND_TOO_LARGE)
     try:
         obj = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -381,23 +414,24 @@ def parse_fatal_record(raw: bytes) -> FatalRecord:
 
 def read_fatal_records(
     state: StateDir, limit: int | None = 4 * FATAL_HISTORY
-) -> tuple[list[FatalRecord], list[str]]:
+) -> tuple[list[FatalRecord], list[RecordError]]:
     """Read the ``fatal/*.json`` records: ``(records sorted by time, errors)``.
 
     At most ``limit`` files are read (the newest by name order; ``None``: all), each at
     most :data:`MAX_RECORD_BYTES` (:func:`read_bounded`). Never raises: a missing
     directory gives ``([], [])``; an unreadable directory, or an unreadable, special,
     oversized, truncated or malformed file is skipped and described in ``errors``
-    (``"<name>: <why>"``). Temp files (``.*.tmp.*``) are ignored.
+    (:class:`RecordError`; ``str()``: ``"<name>: <why>"``). Temp files (``.*.tmp.*``) are
+    ignored.
     """
     records: list[FatalRecord] = []
-    errors: list[str] = []
+    errors: list[RecordError] = []
     try:
         names = sorted(n for n in os.listdir(state.fatal) if n.endswith(".json") and not n.startswith("."))
     except FileNotFoundError:
         return [], []
     except OSError as e:
-        return [], [f"{FATAL_DIR}/: {type(e).__name__}: {e.strerror or e}"]
+        return [], [RecordError(f"{FATAL_DIR}/", os_error_reason(e), f"{type(e).__name__}: {e.strerror or e}")]
     if limit is not None and len(names) > limit:
         names = sorted(names, key=_name_time)[-limit:]
     for name in names:
@@ -406,11 +440,24 @@ def read_fatal_records(
         except FileNotFoundError:
             continue  # pruned meanwhile
         except OSError as e:
-            errors.append(f"{name}: {type(e).__name__}: {e.strerror or e}")
+            errors.append(RecordError(name, os_error_reason(e), f"{type(e).__name__}: {e.strerror or e}"))
         except StateFileError as e:
-            errors.append(f"{name}: {e}")
+            errors.append(RecordError(name, e.kind, str(e)))
     records.sort(key=lambda r: r.time)
     return records, errors
+
+
+def os_error_reason(e: OSError) -> str:
+    """The ``reason`` label of an ``OSError``: ``missing`` (ENOENT), ``permission_denied``
+    (EACCES, EPERM), ``not_a_directory`` (ENOTDIR), ``not_regular`` (ELOOP: a symlink
+    opened with ``O_NOFOLLOW``), else ``io_error``."""
+    return {
+        errno.ENOENT: KIND_MISSING,
+        errno.EACCES: KIND_PERMISSION_DENIED,
+        errno.EPERM: KIND_PERMISSION_DENIED,
+        errno.ENOTDIR: KIND_NOT_A_DIRECTORY,
+        errno.ELOOP: KIND_NOT_REGULAR,
+    }.get(e.errno, KIND_IO_ERROR)
 
 
 def _name_time(name: str) -> tuple[int, str]:

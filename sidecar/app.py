@@ -27,8 +27,8 @@ What runs where (so that a probe never waits on metrics):
 
 No module globals: every piece of state hangs off the app built by :func:`create_app`,
 so tests build as many apps as they like. The app never crashes on a missing, empty,
-corrupt or unreadable state dir; it serves what it can and counts the problem
-(:mod:`kvguard.sidecar.problems`).
+corrupt, unreadable or semantically bad state dir; it serves what it can and counts the
+problem (:mod:`kvguard.sidecar.problems`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,12 +49,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
+from kvguard.guards import names
 from kvguard.guards.statefile import StateDir
 from kvguard.sidecar.collector import (
     ENGINE_FATAL,
+    Families,
+    describe_error,
+    KeyVerdicts,
     SidecarCollector,
     SidecarView,
     check_counts,
@@ -64,6 +67,7 @@ from kvguard.sidecar.collector import (
 from kvguard.sidecar.config import SidecarConfig
 from kvguard.sidecar.health import HealthPoller
 from kvguard.sidecar.logconfig import kvguard_version
+from kvguard.sidecar.problems import Problem
 
 __all__ = ["STATUS_MAX_AGE", "Scraper", "create_app", "run_sidecar"]
 
@@ -133,6 +137,7 @@ class StateDirProblem(BaseModel):
     source: str
     path: str
     reason: str
+    detail: str
 
 
 class StatusResponse(BaseModel):
@@ -155,14 +160,6 @@ class SidecarHealth(BaseModel):
     last_poll_age_s: float | None
 
 
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
-
-
 @dataclass(frozen=True)
 class ScrapeResult:
     """One scrape: the state dir's merged families, the rendered text, ``time.monotonic()``."""
@@ -178,7 +175,8 @@ class Scraper:
     :meth:`scrape` starts a scrape unless one is in flight, and returns that one's
     result: N concurrent callers cost one read of the directory. ``view`` gives the
     sidecar's own series at render time. Never raises for state-dir problems (they go to
-    ``poller.problems``)."""
+    ``poller.problems``). ``verdicts``: the per-key checks of the multiprocess files,
+    kept across scrapes (:class:`kvguard.sidecar.collector.KeyVerdicts`)."""
 
     def __init__(self, state: StateDir | None, poller: HealthPoller, view, max_age: float = METRICS_MAX_AGE) -> None:
         self.state = state
@@ -187,6 +185,7 @@ class Scraper:
         self.max_age = max_age
         self.latest: ScrapeResult | None = None
         self._read: tuple[list[Metric], float] | None = None
+        self.verdicts = KeyVerdicts()
         #: reads of the state dir (a scrape within ``max_age`` of the last read reuses it)
         self.reads = 0
         #: scrapes run and requests served by them (``requests - scrapes`` shared one)
@@ -198,22 +197,32 @@ class Scraper:
     def collect(self) -> ScrapeResult:
         """Read, merge and render (blocking: runs in a worker thread)."""
         fams: list[Metric] = []
+        problems: dict[str, dict[str, Problem]] | None = None
         if self.state is not None:
             now = time.monotonic()
             if self._read is not None and now - self._read[1] < self.max_age:
                 fams = self._read[0]
             else:
-                fams, problems = read_metrics_dir(self.state.metrics)
-                self.poller.problems.observe(problems)
+                fams, problems = read_metrics_dir(self.state.metrics, self.verdicts)
                 self._read = (fams, now)
                 self.reads += 1
         fatal = next((f for f in fams if f.name == ENGINE_FATAL), None)
         engine = with_zero_counters([f for f in fams if f.name not in _SIDECAR_FAMILIES])
-        fams = engine
+        try:
+            engine_text = generate_latest(Families(engine))
+        except Exception as e:  # every file's keys were rendered alone (judge_key): should not happen
+            # Never answer 500 for what the state dir holds: serve the sidecar's own series
+            # and flag the whole metrics dir (once, while it lasts), so KVGuardSidecarBlind fires.
+            problems = problems if problems is not None else {"metrics_dir": {}}
+            problems["metrics_dir"]["metrics/"] = Problem(names.REASON_UNEXPECTED, f"rendering: {describe_error(e)}")
+            engine, fatal, engine_text = [], None, b""
+        if problems is not None:
+            self.poller.problems.observe(problems)
+        # generate_latest renders collector after collector: the engine's text, then the
+        # sidecar's own (rendered now, after the problems above were counted)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(engine))
         registry.register(SidecarCollector(self.view, fatal))
-        result = ScrapeResult(fams, generate_latest(registry), time.monotonic())
+        result = ScrapeResult(engine, engine_text + generate_latest(registry), time.monotonic())
         self.latest = result
         self.scrapes += 1
         return result
@@ -270,7 +279,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             state=snap.state.value,
             deaths=snap.deaths,
             fatal_records=tuple(poller.fatal_records),
-            errors=poller.problems.totals(),
+            errors=poller.problems.by_reason(),
             unreadable=poller.problems.unreadable(),
             kvguard_version=kv_version,
             vllm_version=vllm_version(),
@@ -387,7 +396,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             state_dir=str(state.root) if state else None,
             errors=poller.problems.totals(),
             blind=bool(listing),
-            unreadable=[StateDirProblem(source=s, path=p_, reason=r) for s, p_, r in listing],
+            unreadable=[StateDirProblem(source=s, path=p_, reason=r, detail=d) for s, p_, r, d in listing],
             metrics_reads=scraper.reads,
         )
 

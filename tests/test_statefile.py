@@ -88,7 +88,8 @@ def test_truncated_or_malformed_record_is_rejected_without_failing_the_read(tmp_
     (state.fatal / "2.json").write_bytes(content)
     records, errors = read_fatal_records(state)
     assert [r.pid for r in records] == [1]
-    assert len(errors) == 1 and errors[0].startswith("2.json: ") and why in errors[0]
+    assert len(errors) == 1 and str(errors[0]).startswith("2.json: ") and why in str(errors[0])
+    assert (errors[0].name, errors[0].reason) == ("2.json", "corrupt")
 
 
 def test_oversized_record_is_rejected():
@@ -140,3 +141,14 @@ def test_statefile_is_stdlib_only():
         for a in (n.names if isinstance(n, ast.Import) else [n])
     }
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+
+
+
+def test_kinds_are_the_sidecar_reason_labels():
+    """statefile stays stdlib only, so it spells the reasons out; they must be names'."""
+    from kvguard.guards import names, statefile
+
+    assert set(statefile.KINDS) <= set(names.SIDECAR_REASONS)
+    for attr in dir(statefile):
+        if attr.startswith("KIND_"):
+            assert getattr(statefile, attr) == getattr(names, "REASON_" + attr[len("KIND_"):]), attr
