@@ -249,6 +249,10 @@ REASON_CORRUPT = "corrupt"  # torn, truncated, not JSON, a missing field or a fi
 REASON_INVALID_FAMILY = "invalid_family"  # building the family: the type (file name), gauge mode, metric name
 REASON_INVALID_SAMPLE = "invalid_sample"  # accumulating its samples: a bucket bound (le) that is no number
 REASON_UNRENDERABLE = "unrenderable"  # rendering: a help text or label value that is not a string
+#: A fatal record (or run.json) that parses, but cannot be trusted:
+REASON_INVALID_FIELD = "invalid_field"  # an exception that is not a class name, a time that is not finite
+REASON_OVERSIZED_FIELD = "oversized_field"  # a field longer than the writer ever writes
+REASON_FUTURE_TIME = "future_time"  # recorded later than now (plus the clock-step allowance)
 #: An error the sidecar did not foresee (counted per event for state_dir / poller).
 REASON_UNEXPECTED = "unexpected"
 SIDECAR_REASONS: tuple[str, ...] = (
@@ -262,6 +266,9 @@ SIDECAR_REASONS: tuple[str, ...] = (
     REASON_INVALID_FAMILY,
     REASON_INVALID_SAMPLE,
     REASON_UNRENDERABLE,
+    REASON_INVALID_FIELD,
+    REASON_OVERSIZED_FIELD,
+    REASON_FUTURE_TIME,
     REASON_UNEXPECTED,
 )
 _FILE_READ_REASONS = (REASON_PERMISSION_DENIED, REASON_IO_ERROR, REASON_NOT_REGULAR, REASON_TOO_LARGE, REASON_CORRUPT)
@@ -273,8 +280,8 @@ SIDECAR_SOURCE_REASONS: dict[str, tuple[str, ...]] = {
     SOURCE_METRICS_DIR: (REASON_MISSING, *_DIR_READ_REASONS, REASON_UNEXPECTED),
     SOURCE_METRICS_FILE: (*_FILE_READ_REASONS, REASON_INVALID_FAMILY, REASON_INVALID_SAMPLE, REASON_UNRENDERABLE),
     SOURCE_FATAL_DIR: _DIR_READ_REASONS,
-    SOURCE_FATAL_RECORD: _FILE_READ_REASONS,
-    SOURCE_RUN_RECORD: _FILE_READ_REASONS,
+    SOURCE_FATAL_RECORD: (*_FILE_READ_REASONS, REASON_INVALID_FIELD, REASON_OVERSIZED_FIELD, REASON_FUTURE_TIME),
+    SOURCE_RUN_RECORD: (*_FILE_READ_REASONS, REASON_INVALID_FIELD, REASON_FUTURE_TIME),
     SOURCE_STATE_DIR: (REASON_UNEXPECTED,),
     SOURCE_POLLER: (REASON_UNEXPECTED,),
 }

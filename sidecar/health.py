@@ -289,16 +289,19 @@ class HealthPoller:
         """Read ``run.json`` and the fatal records (blocking: call it in a worker thread).
         Returns the ids ``(pid, time)`` of the fatal records of the current start (those
         recorded at or after ``run.json``'s ``started``; all of them without a run
-        record) and the run view. Problems go to :attr:`problems`."""
+        record) and the run view. Both are checked against one reading of :attr:`clock`:
+        a record or run from the future is rejected, not served. Problems go to
+        :attr:`problems`."""
         if self.state_dir is None:
             return frozenset(), None
         found: dict[str, dict[str, Problem]] = {"run_record": {}, "fatal_dir": {}, "fatal_record": {}}
         run: RunRecord | None = None
+        now = self.clock()
         try:
-            run = read_run_record(self.state_dir)
+            run = read_run_record(self.state_dir, now=lambda: now)
         except (OSError, StateFileError) as e:
             found["run_record"][RUN_FILE] = _problem(e)
-        records, errors = read_fatal_records(self.state_dir)
+        records, errors = read_fatal_records(self.state_dir, now=lambda: now)
         for err in errors:
             found["fatal_dir" if err.name.endswith("/") else "fatal_record"][err.name] = Problem(err.reason, err.detail)
         self.problems.observe(found)

@@ -2,11 +2,13 @@
 process on loopback (issue 23 item 3, "No state file blinds the sidecar").
 
 Before issue 23, one such multiprocess file made every ``/metrics`` and ``/status`` answer
-500 (the merge and the exposition ran over all files at once). Each bad file here is
-written the way prometheus-client writes its files (``MmapedDict`` and ``mmap_key``), next
-to the real plugin's files; each test asserts that ``/metrics`` answers 200 with every
-series of the good files, at the values prometheus-client's own ``MultiProcessCollector``
-gives for them alone, and that the bad file is counted with its reason.
+500 (the merge and the exposition ran over all files at once), a fatal record from the
+future kept the engine ``dead`` while vLLM answered 200, and a 15 KB exception name became a
+label value. Each bad file here is written the way prometheus-client writes its files
+(``MmapedDict`` and ``mmap_key``) or the plugin writes its records (one JSON object), next to
+the real plugin's files; each test asserts that ``/metrics`` answers 200 with every series of
+the good files, at the values prometheus-client's own ``MultiProcessCollector`` gives for
+them alone, and that the bad file is counted with its reason.
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector
-from sidecartools import samples
+from sidecartools import busy_wait, samples
 
-from kvguard.guards.statefile import StateDir
+from kvguard.guards.statefile import (
+    MAX_LABEL_CHARS,
+    MAX_MESSAGE_CHARS,
+    RunRecord,
+    StateDir,
+    write_run_record,
+)
 
 WRITER = textwrap.dedent(
     """
@@ -169,3 +178,61 @@ def test_every_shape_at_once_still_serves_the_good_files(fake_vllm, sidecar_proc
         want[reason] = want.get(reason, 0.0) + 1.0
     assert {reason: m[series("kvguard_sidecar_unreadable", "metrics_file", reason)] for reason in want} == want
     assert sorted(u["path"] for u in status(side)["unreadable"]) == sorted(n for n, _, _, _ in SHAPES.values())
+
+
+# --- fatal records ------------------------------------------------------------------------
+
+
+def record(**over) -> bytes:
+    obj = {"exception": "AssertionError", "message": "pending 129 > 128", "site": "swa_pending_bound",
+           "time": time.time(), "pid": 4242, "vllm_version": "0.33.0", "phase": "running"}
+    obj.update(over)
+    return json.dumps(obj).encode()
+
+
+RECORDS = {  # case: (the fields that differ from a good record, computed when the test runs; reason)
+    "time_1e300": (lambda: {"time": 1e300}, "future_time"),
+    "time_plus_one_day": (lambda: {"time": time.time() + 86400}, "future_time"),
+    "exception_15_kb": (lambda: {"exception": "E" * 15000}, "oversized_field"),
+    "exception_not_a_class_name": (lambda: {"exception": "Assertion Error; see logs"}, "invalid_field"),
+    "message_over_the_writer_bound": (lambda: {"message": "x" * (MAX_MESSAGE_CHARS + 1)}, "oversized_field"),
+    "vllm_version_over_the_label_bound": (lambda: {"vllm_version": "9" * (MAX_LABEL_CHARS + 1)}, "oversized_field"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECORDS))
+def test_an_untrustworthy_fatal_record_is_rejected_and_the_engine_stays_up(fake_vllm, sidecar_proc, shared_dir, case):
+    """As the issue saw it: kvguard run's current start (run.json) and vLLM answering 200;
+    a record from the future used to count as this start's and latch the engine dead."""
+    fields, reason = RECORDS[case]
+    state = StateDir(shared_dir).ensure()
+    write_run_record(state, RunRecord(started=time.time() - 5, state="running", pid=1))
+    (state.fatal / "4242-1.json").write_bytes(record(**fields()))
+    side = sidecar_proc(fake_vllm.url, shared_dir)
+    busy_wait(lambda: status(side)["engine"]["polls"] >= 5)
+    assert side.get("/livez").status_code == 200
+    body = status(side)
+    assert body["engine"]["state"] == "up" and body["engine"]["deaths"] == 0
+    assert body["last_fatal"] is None and body["fatal_history"] == 0
+    assert [(u["source"], u["path"], u["reason"]) for u in body["unreadable"]] == [("fatal_record", "4242-1.json", reason)]
+    r = side.get("/metrics")
+    assert r.status_code == 200
+    m = samples(r.text)
+    assert counted(m, "fatal_record", reason) == (1.0, 1.0)
+    assert m[("kvguard_engine_up", ())] == 1.0
+    assert m[("kvguard_engine_fatal_total", (("exception", "AssertionError"),))] == 0.0
+    longest = max((len(v) for key in m for _, v in key[1]), default=0)
+    assert longest <= MAX_LABEL_CHARS  # no label value from the record (15 KB, 101 characters)
+
+
+def test_a_record_of_now_still_kills_the_engine(fake_vllm, sidecar_proc, shared_dir):
+    """The control: the same record with a time of now is trusted (the engine turns dead)."""
+    state = StateDir(shared_dir).ensure()
+    write_run_record(state, RunRecord(started=time.time() - 5, state="running", pid=1))
+    side = sidecar_proc(fake_vllm.url, shared_dir)
+    busy_wait(lambda: side.get("/livez").status_code == 200)
+    (state.fatal / "4242-1.json").write_bytes(record())
+    busy_wait(lambda: side.get("/livez").status_code == 503)
+    body = status(side)
+    assert body["engine"]["state"] == "dead" and body["last_fatal"]["exception"] == "AssertionError"
+    assert body["unreadable"] == []
