@@ -9,7 +9,8 @@ Endpoints (the OpenAPI document is generated at ``/openapi.json``):
                 record of this start appeared); 503 otherwise
 ``/readyz``     200 only when live and ``/v1/models`` answered 200 on the same poll
 ``/status``     JSON: engine state, last fatal cause, counts by check, policy, versions,
-                state-dir problems
+                state-dir problems (``blind``, ``unreadable``) and what the sidecar still
+                waits for (``waiting``)
 ``/healthz``    the sidecar itself: 200 while its poller runs
 ==============  ==========================================================================
 
@@ -28,7 +29,9 @@ What runs where (so that a probe never waits on metrics):
 No module globals: every piece of state hangs off the app built by :func:`create_app`,
 so tests build as many apps as they like. The app never crashes on a missing, empty,
 corrupt, unreadable or semantically bad state dir; it serves what it can and counts the
-problem (:mod:`kvguard.sidecar.problems`).
+problem (:mod:`kvguard.sidecar.problems`). ``metrics/`` missing before it ever existed is
+``waiting`` (not a problem) for ``SidecarConfig.metrics_dir_grace`` seconds from the
+sidecar's start: a sidecar that starts long before vLLM is not blind.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class StatusResponse(BaseModel):
     errors: dict[str, int]
     blind: bool
     unreadable: list[StateDirProblem]
+    waiting: list[StateDirProblem]
     metrics_reads: int
 
 
@@ -175,17 +179,37 @@ class Scraper:
     :meth:`scrape` starts a scrape unless one is in flight, and returns that one's
     result: N concurrent callers cost one read of the directory. ``view`` gives the
     sidecar's own series at render time. Never raises for state-dir problems (they go to
-    ``poller.problems``). ``verdicts``: the per-key checks of the multiprocess files,
-    kept across scrapes (:class:`kvguard.sidecar.collector.KeyVerdicts`)."""
+    ``poller.problems``).
 
-    def __init__(self, state: StateDir | None, poller: HealthPoller, view, max_age: float = METRICS_MAX_AGE) -> None:
+    ``grace``: seconds from this scraper's creation (the sidecar's start) during which a
+    ``metrics/`` that is missing, and was never seen, is ``waiting`` (listed in
+    :attr:`waiting`, not a problem) rather than blind: the plugin (or ``kvguard run``)
+    creates it when vLLM starts, which may be long after the sidecar. Once ``metrics/``
+    was read, or after the grace, a missing ``metrics/`` is a ``metrics_dir`` problem
+    (``missing``). ``clock``: ``time.monotonic`` (injectable for tests)."""
+
+    def __init__(
+        self,
+        state: StateDir | None,
+        poller: HealthPoller,
+        view,
+        max_age: float = METRICS_MAX_AGE,
+        grace: float = 0.0,
+        clock=time.monotonic,
+    ) -> None:
         self.state = state
         self.poller = poller
         self.view = view
         self.max_age = max_age
+        self.grace = grace
+        self.clock = clock
+        self.started = clock()
         self.latest: ScrapeResult | None = None
         self._read: tuple[list[Metric], float] | None = None
         self.verdicts = KeyVerdicts()
+        self._metrics_dir_seen = False
+        #: ``{source: {path: Problem}}`` the sidecar waits for (within the grace)
+        self.waiting: dict[str, dict[str, Problem]] = {}
         #: reads of the state dir (a scrape within ``max_age`` of the last read reuses it)
         self.reads = 0
         #: scrapes run and requests served by them (``requests - scrapes`` shared one)
@@ -193,6 +217,20 @@ class Scraper:
         self.requests = 0
         self._task: asyncio.Task[ScrapeResult] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+
+    def _wait_or_blind(self, problems: dict[str, dict[str, Problem]]) -> None:
+        """Move a never-seen missing ``metrics/`` from ``problems`` to :attr:`waiting`
+        while within the grace (see the class docstring)."""
+        found = problems["metrics_dir"].get("metrics/")
+        self.waiting = {}
+        if found is None:
+            self._metrics_dir_seen = True
+            return
+        left = self.grace - (self.clock() - self.started)
+        if found.reason == names.REASON_MISSING and not self._metrics_dir_seen and left > 0:
+            del problems["metrics_dir"]["metrics/"]
+            detail = f"{found.detail}; waiting for the plugin's first write, blind in {left:.0f} s"
+            self.waiting = {"metrics_dir": {"metrics/": Problem(found.reason, detail)}}
 
     def collect(self) -> ScrapeResult:
         """Read, merge and render (blocking: runs in a worker thread)."""
@@ -204,6 +242,7 @@ class Scraper:
                 fams = self._read[0]
             else:
                 fams, problems = read_metrics_dir(self.state.metrics, self.verdicts)
+                self._wait_or_blind(problems)
                 self._read = (fams, now)
                 self.reads += 1
         fatal = next((f for f in fams if f.name == ENGINE_FATAL), None)
@@ -286,7 +325,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             startup_budget=cfg.startup_budget,
         )
 
-    scraper = Scraper(state, poller, view, max_age=cfg.metrics_max_age)
+    scraper = Scraper(state, poller, view, max_age=cfg.metrics_max_age, grace=cfg.effective_metrics_dir_grace)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -397,6 +436,11 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             errors=poller.problems.totals(),
             blind=bool(listing),
             unreadable=[StateDirProblem(source=s, path=p_, reason=r, detail=d) for s, p_, r, d in listing],
+            waiting=[
+                StateDirProblem(source=s, path=p_, reason=pr.reason, detail=pr.detail)
+                for s, ps in sorted(scraper.waiting.items())
+                for p_, pr in sorted(ps.items())
+            ],
             metrics_reads=scraper.reads,
         )
 

@@ -141,7 +141,7 @@ def unreadable(m: dict, source: str, reason: str) -> float:
 
 def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_path):
     missing = tmp_path / "missing"
-    with TestClient(create_app(cfg(fake.url, missing))) as client:
+    with TestClient(create_app(cfg(fake.url, missing, metrics_dir_grace=0))) as client:  # no grace: blind at once
         r = client.get("/metrics")
         assert r.status_code == 200
         assert errors(samples(r.text), "metrics_dir", "missing") == 1.0

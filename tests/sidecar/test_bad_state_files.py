@@ -3,8 +3,9 @@ process on loopback (issue 23 item 3, "No state file blinds the sidecar").
 
 Before issue 23, one such multiprocess file made every ``/metrics`` and ``/status`` answer
 500 (the merge and the exposition ran over all files at once), a fatal record from the
-future kept the engine ``dead`` while vLLM answered 200, and a 15 KB exception name became a
-label value. Each bad file here is written the way prometheus-client writes its files
+future kept the engine ``dead`` while vLLM answered 200, a 15 KB exception name became a
+label value, and a ``metrics/`` not created yet counted as blind from the sidecar's first
+second. Each bad file here is written the way prometheus-client writes its files
 (``MmapedDict`` and ``mmap_key``) or the plugin writes its records (one JSON object), next to
 the real plugin's files; each test asserts that ``/metrics`` answers 200 with every series of
 the good files, at the values prometheus-client's own ``MultiProcessCollector`` gives for
@@ -236,3 +237,54 @@ def test_a_record_of_now_still_kills_the_engine(fake_vllm, sidecar_proc, shared_
     body = status(side)
     assert body["engine"]["state"] == "dead" and body["last_fatal"]["exception"] == "AssertionError"
     assert body["unreadable"] == []
+
+
+# --- metrics/ not created yet: waiting, then blind ------------------------------------------
+
+
+def test_metrics_dir_missing_is_waiting_within_the_grace_and_served_once_written(fake_vllm, sidecar_proc, shared_dir):
+    side = sidecar_proc(fake_vllm.url, shared_dir / "state")  # the default grace: the startup budget, 600 s
+    r = side.get("/metrics")
+    assert r.status_code == 200
+    m = samples(r.text)
+    assert counted(m, "metrics_dir", "missing") == (0.0, 0.0)
+    body = status(side)
+    assert body["blind"] is False and body["unreadable"] == []
+    [waiting] = body["waiting"]
+    assert (waiting["source"], waiting["path"], waiting["reason"]) == ("metrics_dir", "metrics/", "missing")
+    assert "waiting for the plugin's first write, blind in" in waiting["detail"]
+
+    plugin_writes(shared_dir / "state")  # vLLM starts: the plugin creates metrics/
+    vio = ("kvguard_invariant_violations_total", (("action", "raised"), ("check", "swa_pending_bound")))
+    m = busy_wait(lambda: (lambda m: m if m.get(vio) == 2.0 else None)(samples(side.get("/metrics").text)))
+    assert counted(m, "metrics_dir", "missing") == (0.0, 0.0)
+    assert status(side)["waiting"] == []
+
+    shutil.rmtree(shared_dir / "state" / "metrics")  # seen once, gone again: blind at once, grace or not
+    busy_wait(lambda: status(side)["blind"])
+    m = samples(side.get("/metrics").text)
+    assert counted(m, "metrics_dir", "missing") == (1.0, 1.0)
+    assert status(side)["waiting"] == []
+
+
+def test_metrics_dir_still_missing_after_the_grace_is_blind(fake_vllm, sidecar_proc, shared_dir):
+    side = sidecar_proc(fake_vllm.url, shared_dir / "state", "--metrics-dir-grace", "5")
+    body = status(side)
+    assert body["blind"] is False and [w["path"] for w in body["waiting"]] == ["metrics/"]
+    m = samples(side.get("/metrics").text)
+    assert counted(m, "metrics_dir", "missing") == (0.0, 0.0)
+    busy_wait(lambda: status(side)["blind"], timeout=20)
+    body = status(side)
+    assert body["waiting"] == []
+    assert [(u["source"], u["path"], u["reason"]) for u in body["unreadable"]] == [("metrics_dir", "metrics/", "missing")]
+    m = samples(side.get("/metrics").text)
+    assert counted(m, "metrics_dir", "missing") == (1.0, 1.0)
+
+
+def test_a_metrics_dir_that_is_not_a_directory_is_blind_at_once(fake_vllm, sidecar_proc, shared_dir):
+    """Only "missing" waits: a file named metrics is not vLLM starting late."""
+    (shared_dir / "metrics").write_text("not a directory")
+    side = sidecar_proc(fake_vllm.url, shared_dir)
+    body = status(side)
+    assert body["waiting"] == [] and body["blind"] is True
+    assert [(u["source"], u["reason"]) for u in body["unreadable"]] == [("metrics_dir", "not_a_directory")]

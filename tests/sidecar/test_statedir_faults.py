@@ -133,7 +133,7 @@ def read_again(side, times: int) -> None:
 
 
 def test_each_problem_counts_once_and_a_file_being_created_is_no_error(fake_vllm, sidecar_proc, shared_dir):
-    side = sidecar_proc(fake_vllm.url, shared_dir / "not-yet")
+    side = sidecar_proc(fake_vllm.url, shared_dir / "not-yet", "--metrics-dir-grace", "0")
     read_again(side, 3)
     m = samples(side.get("/metrics").text)
     assert m[series("kvguard_sidecar_errors_total", "metrics_dir", "missing")] == 1.0
