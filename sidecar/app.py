@@ -179,7 +179,8 @@ class Scraper:
     :meth:`scrape` starts a scrape unless one is in flight, and returns that one's
     result: N concurrent callers cost one read of the directory. ``view`` gives the
     sidecar's own series at render time. Never raises for state-dir problems (they go to
-    ``poller.problems``).
+    ``poller.problems``). ``verdicts``: the per-key checks of the multiprocess files,
+    kept across scrapes (:class:`kvguard.sidecar.collector.KeyVerdicts`).
 
     ``grace``: seconds from this scraper's creation (the sidecar's start) during which a
     ``metrics/`` that is missing, and was never seen, is ``waiting`` (listed in

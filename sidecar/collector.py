@@ -202,9 +202,11 @@ def judge_key(typ: str, mode: str | None, key: str) -> tuple[tuple | None, Probl
     (families of one type only: :func:`read_metrics_dir` rejects a file whose family has
     another type in an earlier file). The verdict depends on ``(typ, mode, key)`` only,
     so :class:`KeyVerdicts` keeps it across scrapes: each distinct key is judged once (a
-    one-sample family built, accumulated and rendered, tens of microseconds), and a
-    scrape of unchanged files costs one dict lookup per entry, as the old per-scrape key
-    cache did."""
+    one-sample family built, accumulated and rendered: about 45 us), and a scrape of
+    files already seen costs one dict lookup per entry, as the old per-scrape key cache
+    did. On ``bench/sidecar_bench.py``'s 192 files (105 distinct keys) a scrape of known
+    keys cost 0.90 to 1.03 of the code before this check, one in which every key is new
+    (the first) 1.05 to 1.18 (docs/sidecar.md)."""
     try:
         metric_name, sample, labels, help_text = json.loads(key)
         parsed = (metric_name, sample, tuple(sorted(labels.items())), help_text)
