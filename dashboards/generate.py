@@ -286,11 +286,13 @@ def build_dashboard() -> dict[str, Any]:
         "up, dead (alert VLLMEngineDown after 1m), stopped (a requested stop).",
         [_target(f"max by (state) (kvguard_engine_state{{{KV}}})", "{{state}}")]), w=12)
     lay.add(_timeseries(
-        "Sidecar state-dir errors by source",
-        "State-dir paths the sidecar cannot read now (alert KVGuardSidecarBlind after 5m), and "
-        "problems first met in the range; /status lists each path and why.",
-        [_target(f"sum by (source) (kvguard_sidecar_unreadable{{{KV}}})", "unreadable {{source}}", "A"),
-         _target(f"sum by (source) (increase(kvguard_sidecar_errors_total{{{KV}}}{RI}))", "new {{source}}", "B")]),
+        "Sidecar state-dir errors by source and reason",
+        "State-dir paths the sidecar cannot use now (alert KVGuardSidecarBlind after 5m), and "
+        "problems first met in the range, by source and reason; /status lists each path and why.",
+        [_target(f"sum by (source, reason) (kvguard_sidecar_unreadable{{{KV}}})",
+                 "unreadable {{source}} {{reason}}", "A"),
+         _target(f"sum by (source, reason) (increase(kvguard_sidecar_errors_total{{{KV}}}{RI}))",
+                 "new {{source}} {{reason}}", "B")]),
         w=12)
 
     lay.row("vLLM (its own /metrics)")

@@ -274,8 +274,12 @@ class GuardMetrics:
         self._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: site}, 1.0 if installed else 0.0)
 
     def engine_fatal(self, exception: str) -> None:
-        """Count a fatal EngineCore exception by its class name (``exception`` label)."""
-        self._b.counter(names.METRIC_ENGINE_FATAL, {names.LABEL_EXCEPTION: str(exception)[:100]}, 1)
+        """Count a fatal EngineCore exception by its class name (``exception`` label, through
+        :func:`kvguard.guards.statefile.exception_label`: the fatal record's own field, at
+        most ``MAX_LABEL_CHARS`` characters and a Python identifier)."""
+        from kvguard.guards.statefile import exception_label
+
+        self._b.counter(names.METRIC_ENGINE_FATAL, {names.LABEL_EXCEPTION: exception_label(str(exception))}, 1)
 
 
 _instances: dict[tuple[str | None, int], GuardMetrics] = {}

@@ -236,3 +236,76 @@ KEY_FIRST_LOST = "first_lost"
 KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
 KEY_NEEDED_CHUNKS = "needed_chunks"
 KEY_DEFERRED_HIT_TOKENS = "deferred_hit_tokens"
+
+# --- the sidecar's state-dir problems (issue 23 item 3; kvguard.sidecar.problems) --------
+#: ``kvguard_sidecar_errors_total{source,reason}`` and ``kvguard_sidecar_unreadable{source,reason}``.
+METRIC_SIDECAR_ERRORS = "kvguard_sidecar_errors_total"
+METRIC_SIDECAR_UNREADABLE = "kvguard_sidecar_unreadable"
+LABEL_SOURCE = "source"
+LABEL_REASON = "reason"
+#: Where in the state dir a problem is (the ``source`` label).
+SOURCE_METRICS_DIR = "metrics_dir"
+SOURCE_METRICS_FILE = "metrics_file"
+SOURCE_FATAL_DIR = "fatal_dir"
+SOURCE_FATAL_RECORD = "fatal_record"
+SOURCE_RUN_RECORD = "run_record"
+SOURCE_STATE_DIR = "state_dir"
+SOURCE_POLLER = "poller"
+SIDECAR_SOURCES: tuple[str, ...] = (
+    SOURCE_METRICS_DIR,
+    SOURCE_METRICS_FILE,
+    SOURCE_FATAL_DIR,
+    SOURCE_FATAL_RECORD,
+    SOURCE_RUN_RECORD,
+    SOURCE_STATE_DIR,
+    SOURCE_POLLER,
+)
+#: Why the sidecar cannot use a path (the ``reason`` label; the free text goes to /status
+#: and the log only). Reading:
+REASON_MISSING = "missing"  # metrics/ absent after the start-up grace (before it: "waiting", no problem)
+REASON_PERMISSION_DENIED = "permission_denied"  # EACCES / EPERM
+REASON_NOT_A_DIRECTORY = "not_a_directory"  # ENOTDIR
+REASON_IO_ERROR = "io_error"  # any other OSError
+REASON_NOT_REGULAR = "not_regular"  # a FIFO, socket, device or symlink (never followed, never read)
+REASON_TOO_LARGE = "too_large"  # over the read bound of its kind
+REASON_CORRUPT = "corrupt"  # torn, truncated, not JSON, a missing field or a field of the wrong type
+#: A multiprocess file that parses, but one step from it to the exposition fails:
+REASON_INVALID_FAMILY = "invalid_family"  # building the family: the type (file name), gauge mode, metric name
+REASON_INVALID_SAMPLE = "invalid_sample"  # accumulating its samples: a bucket bound (le) that is no number
+REASON_UNRENDERABLE = "unrenderable"  # rendering: a help text or label value that is not a string
+#: A fatal record (or run.json) that parses, but cannot be trusted:
+REASON_INVALID_FIELD = "invalid_field"  # an exception that is not a class name, a time that is not finite
+REASON_OVERSIZED_FIELD = "oversized_field"  # a field longer than the writer ever writes
+REASON_FUTURE_TIME = "future_time"  # recorded later than now (plus the clock-step allowance)
+#: An error the sidecar did not foresee (counted per event for state_dir / poller).
+REASON_UNEXPECTED = "unexpected"
+SIDECAR_REASONS: tuple[str, ...] = (
+    REASON_MISSING,
+    REASON_PERMISSION_DENIED,
+    REASON_NOT_A_DIRECTORY,
+    REASON_IO_ERROR,
+    REASON_NOT_REGULAR,
+    REASON_TOO_LARGE,
+    REASON_CORRUPT,
+    REASON_INVALID_FAMILY,
+    REASON_INVALID_SAMPLE,
+    REASON_UNRENDERABLE,
+    REASON_INVALID_FIELD,
+    REASON_OVERSIZED_FIELD,
+    REASON_FUTURE_TIME,
+    REASON_UNEXPECTED,
+)
+_FILE_READ_REASONS = (REASON_PERMISSION_DENIED, REASON_IO_ERROR, REASON_NOT_REGULAR, REASON_TOO_LARGE, REASON_CORRUPT)
+_DIR_READ_REASONS = (REASON_PERMISSION_DENIED, REASON_NOT_A_DIRECTORY, REASON_IO_ERROR)
+#: The reasons each source can give: these ``{source, reason}`` series exist at 0 from the
+#: first scrape (so ``increase()`` sees the first problem). A pair outside this table is
+#: still counted (a new series), never dropped.
+SIDECAR_SOURCE_REASONS: dict[str, tuple[str, ...]] = {
+    SOURCE_METRICS_DIR: (REASON_MISSING, *_DIR_READ_REASONS, REASON_UNEXPECTED),
+    SOURCE_METRICS_FILE: (*_FILE_READ_REASONS, REASON_INVALID_FAMILY, REASON_INVALID_SAMPLE, REASON_UNRENDERABLE),
+    SOURCE_FATAL_DIR: _DIR_READ_REASONS,
+    SOURCE_FATAL_RECORD: (*_FILE_READ_REASONS, REASON_INVALID_FIELD, REASON_OVERSIZED_FIELD, REASON_FUTURE_TIME),
+    SOURCE_RUN_RECORD: (*_FILE_READ_REASONS, REASON_INVALID_FIELD, REASON_FUTURE_TIME),
+    SOURCE_STATE_DIR: (REASON_UNEXPECTED,),
+    SOURCE_POLLER: (REASON_UNEXPECTED,),
+}

@@ -26,13 +26,21 @@ an error, never a hang or an unbounded read.
 
 A fatal record is one JSON object (UTF-8, at most :data:`MAX_RECORD_BYTES`)::
 
-    {"exception": str,        # the exception's type name, e.g. "AssertionError"
+    {"exception": str,        # the exception's type name, e.g. "AssertionError": a Python
+                              # identifier of at most MAX_LABEL_CHARS (exception_label())
      "message": str,          # str(exception), truncated to MAX_MESSAGE_CHARS
      "site": str | null,      # kvguard check site id if an offload check failed last
-     "time": float,           # unix seconds when it was recorded
+     "time": float,           # unix seconds when it was recorded (finite)
      "pid": int,              # the EngineCore process id
-     "vllm_version": str,     # vLLM's __version__ ("unknown" when unavailable)
+     "vllm_version": str,     # vLLM's __version__ ("unknown" when unavailable), at most
+                              # MAX_LABEL_CHARS
      "phase": str}            # optional: "startup" or "running"
+
+The reader accepts exactly what the writer can write: ``exception`` and ``vllm_version``
+become Prometheus label values in the sidecar, so a record whose field is longer than the
+writer's bound, whose exception is not a class name, or whose time is not finite or lies
+in the future (later than the reader's clock plus :data:`MAX_CLOCK_STEP`) is rejected
+with a reason (:class:`StateFileError` ``kind``), never served.
 
 Records are written the way prometheus-client's ``mmap_dict`` and pytest's pyc cache
 are: to a pid-suffixed temp file in the same directory, flushed, then ``os.replace``d,
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import stat
@@ -53,6 +62,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "DIR_MODE",
@@ -66,9 +76,16 @@ __all__ = [
     "read_run_record",
     "write_run_record",
     "METRICS_DIR",
+    "MAX_CLOCK_STEP",
+    "MAX_LABEL_CHARS",
     "MAX_MESSAGE_CHARS",
     "MAX_RECORD_BYTES",
     "FatalRecord",
+    "KINDS",
+    "RecordError",
+    "exception_label",
+    "os_error_reason",
+    "parse_fatal_record",
     "StateDir",
     "file_kind",
     "StateFileError",
@@ -78,11 +95,42 @@ __all__ = [
 
 METRICS_DIR = "metrics"
 FATAL_DIR = "fatal"
+#: Why a state file was not used: :class:`StateFileError` ``kind`` and
+#: :func:`os_error_reason` values. They are the sidecar's ``reason`` label values
+#: (``kvguard.guards.names.SIDECAR_REASONS``, the closed set); this module stays stdlib
+#: only, so it spells them out and a test keeps the two equal.
+KIND_CORRUPT = "corrupt"
+KIND_TOO_LARGE = "too_large"
+KIND_NOT_REGULAR = "not_regular"
+KIND_INVALID_FIELD = "invalid_field"
+KIND_OVERSIZED_FIELD = "oversized_field"
+KIND_FUTURE_TIME = "future_time"
+KIND_MISSING = "missing"
+KIND_PERMISSION_DENIED = "permission_denied"
+KIND_NOT_A_DIRECTORY = "not_a_directory"
+KIND_IO_ERROR = "io_error"
+KINDS: tuple[str, ...] = (
+    KIND_CORRUPT, KIND_TOO_LARGE, KIND_NOT_REGULAR, KIND_INVALID_FIELD, KIND_OVERSIZED_FIELD,
+    KIND_FUTURE_TIME, KIND_MISSING, KIND_PERMISSION_DENIED, KIND_NOT_A_DIRECTORY, KIND_IO_ERROR,
+)
 #: A message longer than this is cut (and ends with "..."): exception text can be huge
 #: (whole tensors, request dumps) and the record must stay small.
 MAX_MESSAGE_CHARS = 2000
 #: A record file larger than this is rejected by the reader.
 MAX_RECORD_BYTES = 16 * 1024
+#: ``exception`` and ``vllm_version`` are at most this long: the sidecar serves them as
+#: label values (``kvguard_engine_fatal_total{exception}``, ``kvguard_build_info``), and
+#: the plugin's own ``engine_fatal`` label was already cut at 100 characters. The longest
+#: exception class name in CPython's builtins has 25.
+MAX_LABEL_CHARS = 100
+#: A record whose ``time`` is later than the reader's clock plus this many seconds is
+#: rejected (``future_time``). Writer and reader share one clock (one node; the state
+#: dir is an ``emptyDir``), and the writer stamps the record before the file exists, so a
+#: genuine record is never later than the reader's ``now``, unless the wall clock was
+#: stepped back in between: this allows a step of a minute (an NTP correction), while a
+#: record "from tomorrow" (or 1e300) can no longer latch the engine ``dead`` as if it
+#: belonged to the current start.
+MAX_CLOCK_STEP = 60.0
 #: ``run.json`` is a handful of fields.
 RUN_FILE = "run.json"
 MAX_RUN_BYTES = 4 * 1024
@@ -105,12 +153,42 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
 
 
 class StateFileError(ValueError):
-    """A state file that is truncated, not JSON, too large, not a regular file, or misses a
-    field. ``kind``: ``"corrupt"``, ``"too_large"`` or ``"not_regular"``."""
+    """A state file that is truncated, not JSON, too large, not a regular file, misses a
+    field, or holds a field the writer never writes. ``kind`` (:data:`KINDS`) is the
+    sidecar's ``reason`` label: ``"corrupt"``, ``"too_large"``, ``"not_regular"``,
+    ``"invalid_field"``, ``"oversized_field"`` or ``"future_time"``."""
 
-    def __init__(self, message: str, kind: str = "corrupt") -> None:
+    def __init__(self, message: str, kind: str = KIND_CORRUPT) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class RecordError(NamedTuple):
+    """A fatal-record path that was not read: ``name`` (``"<file>.json"``, or ``"fatal/"``
+    for the directory), ``reason`` (one of :data:`KINDS`)
+    and ``detail`` (free text for logs and /status). ``str()`` is ``"<name>: <detail>"``."""
+
+    name: str
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}"
+
+
+def exception_label(name: str) -> str:
+    """The ``exception`` field for an exception class named ``name``: ``name`` cut to
+    :data:`MAX_LABEL_CHARS` (a prefix of an identifier is one), or, for a name that is not
+    a Python identifier (``type("a b", (Exception,), {})``), the name with every character
+    outside ``[A-Za-z0-9_]`` replaced by ``_`` (and ``_`` in front of a leading digit), so
+    the reader never rejects what the writer wrote. Never raises."""
+    cut = name[:MAX_LABEL_CHARS]
+    if cut.isidentifier():
+        return cut
+    safe = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+    if not safe or safe[0].isdigit():
+        safe = "_" + safe
+    return safe[:MAX_LABEL_CHARS]
 
 
 @dataclass(frozen=True)
@@ -144,17 +222,19 @@ class FatalRecord:
         phase: str | None = None,
         now: Callable[[], float] = time.time,
     ) -> FatalRecord:
-        """Build a record from an exception: type name, truncated message, ``now()``."""
+        """Build a record from an exception: :func:`exception_label` of its type name, the
+        message truncated to :data:`MAX_MESSAGE_CHARS`, ``vllm_version`` cut to
+        :data:`MAX_LABEL_CHARS`, ``now()``: always a record :func:`parse_fatal_record` accepts."""
         message = str(exc)
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[: MAX_MESSAGE_CHARS - 3] + "..."
         return cls(
-            exception=type(exc).__name__,
+            exception=exception_label(type(exc).__name__),
             message=message,
             site=site,
             time=float(now()),
             pid=int(pid),
-            vllm_version=vllm_version,
+            vllm_version=vllm_version[:MAX_LABEL_CHARS],
             phase=phase,
         )
 
@@ -302,12 +382,12 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> tuple[int, o
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise StateFileError("a symlink (not followed)", kind="not_regular") from None
+            raise StateFileError("a symlink (not followed)", kind=KIND_NOT_REGULAR) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind="not_regular")
+            raise StateFileError(f"not a regular file ({file_kind(st.st_mode)})", kind=KIND_NOT_REGULAR)
     except BaseException:
         os.close(fd)
         raise
@@ -324,7 +404,7 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
     fd, st = open_regular(path, dir_fd=dir_fd)
     try:
         if st.st_size > limit:
-            raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind="too_large")
+            raise StateFileError(f"{st.st_size} bytes, more than {limit}", kind=KIND_TOO_LARGE)
         chunks = []
         left = limit + 1
         while left > 0:
@@ -335,7 +415,7 @@ def read_bounded(path: Path | str, limit: int, *, dir_fd: int | None = None) -> 
             left -= len(b)
         data = b"".join(chunks)
         if len(data) > limit:
-            raise StateFileError(f"more than {limit} bytes", kind="too_large")
+            raise StateFileError(f"more than {limit} bytes", kind=KIND_TOO_LARGE)
         return data
     finally:
         os.close(fd)
@@ -352,14 +432,23 @@ def file_kind(mode: int) -> str:
     return "special file"  # pragma: no cover
 
 
-def parse_fatal_record(raw: bytes) -> FatalRecord:
-    """Validate and parse one record file's bytes. Raises :class:`StateFileError`."""
+def parse_fatal_record(raw: bytes, now: float | None = None) -> FatalRecord:
+    """Validate and parse one record file's bytes.
+
+    ``now``: the reader's unix time; a record whose ``time`` is later than ``now +``
+    :data:`MAX_CLOCK_STEP` is rejected (``None``: not checked). Raises
+    :class:`StateFileError`, whose ``kind`` says why: ``too_large`` (over
+    :data:`MAX_RECORD_BYTES`), ``corrupt`` (not JSON, not an object, a field missing or of
+    the wrong type), ``invalid_field`` (``exception`` not a Python identifier, ``time`` not
+    finite), ``oversized_field`` (``exception`` or ``vllm_version`` over
+    :data:`MAX_LABEL_CHARS`, ``message`` over :data:`MAX_MESSAGE_CHARS`), ``future_time``.
+    """
     if len(raw) > MAX_RECORD_BYTES:
-        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}", kind="too_large")
+        raise StateFileError(f"record is {len(raw)} bytes, more than {MAX_RECORD_BYTES}", kind=KIND_TOO_LARGE)
     try:
         obj = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StateFileError(f"not a JSON record (truncated?): {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
+        raise StateFileError(f"not a JSON record (truncated?): {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise StateFileError("record is not a JSON object")
     for key, types in _REQUIRED.items():
@@ -367,12 +456,29 @@ def parse_fatal_record(raw: bytes) -> FatalRecord:
             raise StateFileError(f"record misses field {key!r}")
         if not isinstance(obj[key], types) or isinstance(obj[key], bool):
             raise StateFileError(f"field {key!r} has type {type(obj[key]).__name__}")
+    for key, limit in (("exception", MAX_LABEL_CHARS), ("vllm_version", MAX_LABEL_CHARS), ("message", MAX_MESSAGE_CHARS)):
+        if len(obj[key]) > limit:
+            raise StateFileError(
+                f"field {key!r} has {len(obj[key])} characters, more than {limit}", kind=KIND_OVERSIZED_FIELD
+            )
+    if not obj["exception"].isidentifier():
+        raise StateFileError(f"field 'exception' is not a class name: {obj['exception'][:40]!r}", kind=KIND_INVALID_FIELD)
+    try:
+        t = float(obj["time"])  # JSON's NaN, Infinity and 1e400 are floats already
+    except OverflowError:  # an int beyond a float's range
+        t = math.inf
+    if not math.isfinite(t):
+        raise StateFileError(f"field 'time' is {t}", kind=KIND_INVALID_FIELD)
+    if now is not None and t > now + MAX_CLOCK_STEP:
+        raise StateFileError(
+            f"recorded {t - now:.6g} s in the future (more than {MAX_CLOCK_STEP:g} s)", kind=KIND_FUTURE_TIME
+        )
     phase = obj.get("phase")
     return FatalRecord(
         exception=obj["exception"],
         message=obj["message"],
         site=obj["site"],
-        time=float(obj["time"]),
+        time=t,
         pid=obj["pid"],
         vllm_version=obj["vllm_version"],
         phase=phase if isinstance(phase, str) else None,
@@ -380,37 +486,53 @@ def parse_fatal_record(raw: bytes) -> FatalRecord:
 
 
 def read_fatal_records(
-    state: StateDir, limit: int | None = 4 * FATAL_HISTORY
-) -> tuple[list[FatalRecord], list[str]]:
+    state: StateDir, limit: int | None = 4 * FATAL_HISTORY, now: Callable[[], float] = time.time
+) -> tuple[list[FatalRecord], list[RecordError]]:
     """Read the ``fatal/*.json`` records: ``(records sorted by time, errors)``.
 
     At most ``limit`` files are read (the newest by name order; ``None``: all), each at
-    most :data:`MAX_RECORD_BYTES` (:func:`read_bounded`). Never raises: a missing
-    directory gives ``([], [])``; an unreadable directory, or an unreadable, special,
-    oversized, truncated or malformed file is skipped and described in ``errors``
-    (``"<name>: <why>"``). Temp files (``.*.tmp.*``) are ignored.
+    most :data:`MAX_RECORD_BYTES` (:func:`read_bounded`), each checked by
+    :func:`parse_fatal_record` against one ``now()`` taken for the whole read. Never
+    raises: a missing directory gives ``([], [])``; an unreadable directory, or an
+    unreadable, special, oversized, truncated, malformed or future file is skipped and
+    described in ``errors`` (:class:`RecordError`; ``str()``: ``"<name>: <why>"``). Temp
+    files (``.*.tmp.*``) are ignored.
     """
     records: list[FatalRecord] = []
-    errors: list[str] = []
+    errors: list[RecordError] = []
     try:
-        names = sorted(n for n in os.listdir(state.fatal) if n.endswith(".json") and not n.startswith("."))
+        names_ = sorted(n for n in os.listdir(state.fatal) if n.endswith(".json") and not n.startswith("."))
     except FileNotFoundError:
         return [], []
     except OSError as e:
-        return [], [f"{FATAL_DIR}/: {type(e).__name__}: {e.strerror or e}"]
-    if limit is not None and len(names) > limit:
-        names = sorted(names, key=_name_time)[-limit:]
-    for name in names:
+        return [], [RecordError(f"{FATAL_DIR}/", os_error_reason(e), f"{type(e).__name__}: {e.strerror or e}")]
+    if limit is not None and len(names_) > limit:
+        names_ = sorted(names_, key=_name_time)[-limit:]
+    t_now = now()
+    for name in names_:
         try:
-            records.append(parse_fatal_record(read_bounded(state.fatal / name, MAX_RECORD_BYTES)))
+            records.append(parse_fatal_record(read_bounded(state.fatal / name, MAX_RECORD_BYTES), now=t_now))
         except FileNotFoundError:
             continue  # pruned meanwhile
         except OSError as e:
-            errors.append(f"{name}: {type(e).__name__}: {e.strerror or e}")
+            errors.append(RecordError(name, os_error_reason(e), f"{type(e).__name__}: {e.strerror or e}"))
         except StateFileError as e:
-            errors.append(f"{name}: {e}")
+            errors.append(RecordError(name, e.kind, str(e)))
     records.sort(key=lambda r: r.time)
     return records, errors
+
+
+def os_error_reason(e: OSError) -> str:
+    """The ``reason`` label of an ``OSError``: ``missing`` (ENOENT), ``permission_denied``
+    (EACCES, EPERM), ``not_a_directory`` (ENOTDIR), ``not_regular`` (ELOOP: a symlink
+    opened with ``O_NOFOLLOW``), else ``io_error``."""
+    return {
+        errno.ENOENT: KIND_MISSING,
+        errno.EACCES: KIND_PERMISSION_DENIED,
+        errno.EPERM: KIND_PERMISSION_DENIED,
+        errno.ENOTDIR: KIND_NOT_A_DIRECTORY,
+        errno.ELOOP: KIND_NOT_REGULAR,
+    }.get(e.errno, KIND_IO_ERROR)
 
 
 def _name_time(name: str) -> tuple[int, str]:
@@ -448,11 +570,15 @@ def write_run_record(state: StateDir, record: RunRecord) -> Path:
     return _atomic_write(state.root, RUN_FILE, data, state.pid())
 
 
-def read_run_record(state: StateDir) -> RunRecord | None:
+def read_run_record(state: StateDir, now: Callable[[], float] | None = time.time) -> RunRecord | None:
     """``run.json``, or ``None`` when there is none (no ``kvguard run``).
 
-    Raises :class:`StateFileError` for a malformed, oversized or special file and
-    ``OSError`` when it cannot be read."""
+    ``now``: the reader's clock (unix seconds); a ``started`` later than ``now() +``
+    :data:`MAX_CLOCK_STEP` is rejected (``kind="future_time"``: every fatal record would
+    count as older than that start); ``None``: not checked. Raises
+    :class:`StateFileError` for a malformed (``corrupt``), oversized or special file or a
+    ``started`` that is not finite (``invalid_field``), and ``OSError`` when it cannot be
+    read."""
     try:
         raw = read_bounded(state.run, MAX_RUN_BYTES)
     except FileNotFoundError:
@@ -467,8 +593,16 @@ def read_run_record(state: StateDir) -> RunRecord | None:
             stop_requested=bool(obj.get("stop_requested", False)),
             exit_status=None if obj.get("exit_status") is None else int(obj["exit_status"]),
         )
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         raise StateFileError(f"not a run record: {type(e).__name__}: {e}") from None
     if rec.state not in RunRecord.STATES:
         raise StateFileError(f"unknown run state {rec.state!r}")
+    if not math.isfinite(rec.started):
+        raise StateFileError(f"field 'started' is {rec.started}", kind=KIND_INVALID_FIELD)
+    t_now = now() if now is not None else None
+    if t_now is not None and rec.started > t_now + MAX_CLOCK_STEP:
+        raise StateFileError(
+            f"started {rec.started - t_now:.6g} s in the future (more than {MAX_CLOCK_STEP:g} s)",
+            kind=KIND_FUTURE_TIME,
+        )
     return rec

@@ -9,7 +9,8 @@ Endpoints (the OpenAPI document is generated at ``/openapi.json``):
                 record of this start appeared); 503 otherwise
 ``/readyz``     200 only when live and ``/v1/models`` answered 200 on the same poll
 ``/status``     JSON: engine state, last fatal cause, counts by check, policy, versions,
-                state-dir problems
+                state-dir problems (``blind``, ``unreadable``) and what the sidecar still
+                waits for (``waiting``)
 ``/healthz``    the sidecar itself: 200 while its poller runs
 ==============  ==========================================================================
 
@@ -27,8 +28,10 @@ What runs where (so that a probe never waits on metrics):
 
 No module globals: every piece of state hangs off the app built by :func:`create_app`,
 so tests build as many apps as they like. The app never crashes on a missing, empty,
-corrupt or unreadable state dir; it serves what it can and counts the problem
-(:mod:`kvguard.sidecar.problems`).
+corrupt, unreadable or semantically bad state dir; it serves what it can and counts the
+problem (:mod:`kvguard.sidecar.problems`). ``metrics/`` missing before it ever existed is
+``waiting`` (not a problem) for ``SidecarConfig.metrics_dir_grace`` seconds from the
+sidecar's start: a sidecar that starts long before vLLM is not blind.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,12 +52,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
+from kvguard.guards import names
 from kvguard.guards.statefile import StateDir
 from kvguard.sidecar.collector import (
     ENGINE_FATAL,
+    Families,
+    describe_error,
+    KeyVerdicts,
     SidecarCollector,
     SidecarView,
     check_counts,
@@ -64,6 +70,7 @@ from kvguard.sidecar.collector import (
 from kvguard.sidecar.config import SidecarConfig
 from kvguard.sidecar.health import HealthPoller
 from kvguard.sidecar.logconfig import kvguard_version
+from kvguard.sidecar.problems import Problem
 
 __all__ = ["STATUS_MAX_AGE", "Scraper", "create_app", "run_sidecar"]
 
@@ -133,6 +140,7 @@ class StateDirProblem(BaseModel):
     source: str
     path: str
     reason: str
+    detail: str
 
 
 class StatusResponse(BaseModel):
@@ -146,6 +154,7 @@ class StatusResponse(BaseModel):
     errors: dict[str, int]
     blind: bool
     unreadable: list[StateDirProblem]
+    waiting: list[StateDirProblem]
     metrics_reads: int
 
 
@@ -153,14 +162,6 @@ class SidecarHealth(BaseModel):
     status: str
     poller_running: bool
     last_poll_age_s: float | None
-
-
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
 
 
 @dataclass(frozen=True)
@@ -178,15 +179,38 @@ class Scraper:
     :meth:`scrape` starts a scrape unless one is in flight, and returns that one's
     result: N concurrent callers cost one read of the directory. ``view`` gives the
     sidecar's own series at render time. Never raises for state-dir problems (they go to
-    ``poller.problems``)."""
+    ``poller.problems``). ``verdicts``: the per-key checks of the multiprocess files,
+    kept across scrapes (:class:`kvguard.sidecar.collector.KeyVerdicts`).
 
-    def __init__(self, state: StateDir | None, poller: HealthPoller, view, max_age: float = METRICS_MAX_AGE) -> None:
+    ``grace``: seconds from this scraper's creation (the sidecar's start) during which a
+    ``metrics/`` that is missing, and was never seen, is ``waiting`` (listed in
+    :attr:`waiting`, not a problem) rather than blind: the plugin (or ``kvguard run``)
+    creates it when vLLM starts, which may be long after the sidecar. Once ``metrics/``
+    was read, or after the grace, a missing ``metrics/`` is a ``metrics_dir`` problem
+    (``missing``). ``clock``: ``time.monotonic`` (injectable for tests)."""
+
+    def __init__(
+        self,
+        state: StateDir | None,
+        poller: HealthPoller,
+        view,
+        max_age: float = METRICS_MAX_AGE,
+        grace: float = 0.0,
+        clock=time.monotonic,
+    ) -> None:
         self.state = state
         self.poller = poller
         self.view = view
         self.max_age = max_age
+        self.grace = grace
+        self.clock = clock
+        self.started = clock()
         self.latest: ScrapeResult | None = None
         self._read: tuple[list[Metric], float] | None = None
+        self.verdicts = KeyVerdicts()
+        self._metrics_dir_seen = False
+        #: ``{source: {path: Problem}}`` the sidecar waits for (within the grace)
+        self.waiting: dict[str, dict[str, Problem]] = {}
         #: reads of the state dir (a scrape within ``max_age`` of the last read reuses it)
         self.reads = 0
         #: scrapes run and requests served by them (``requests - scrapes`` shared one)
@@ -195,25 +219,50 @@ class Scraper:
         self._task: asyncio.Task[ScrapeResult] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
 
+    def _wait_or_blind(self, problems: dict[str, dict[str, Problem]]) -> None:
+        """Move a never-seen missing ``metrics/`` from ``problems`` to :attr:`waiting`
+        while within the grace (see the class docstring)."""
+        found = problems["metrics_dir"].get("metrics/")
+        self.waiting = {}
+        if found is None:
+            self._metrics_dir_seen = True
+            return
+        left = self.grace - (self.clock() - self.started)
+        if found.reason == names.REASON_MISSING and not self._metrics_dir_seen and left > 0:
+            del problems["metrics_dir"]["metrics/"]
+            detail = f"{found.detail}; waiting for the plugin's first write, blind in {left:.0f} s"
+            self.waiting = {"metrics_dir": {"metrics/": Problem(found.reason, detail)}}
+
     def collect(self) -> ScrapeResult:
         """Read, merge and render (blocking: runs in a worker thread)."""
         fams: list[Metric] = []
+        problems: dict[str, dict[str, Problem]] | None = None
         if self.state is not None:
             now = time.monotonic()
             if self._read is not None and now - self._read[1] < self.max_age:
                 fams = self._read[0]
             else:
-                fams, problems = read_metrics_dir(self.state.metrics)
-                self.poller.problems.observe(problems)
+                fams, problems = read_metrics_dir(self.state.metrics, self.verdicts)
+                self._wait_or_blind(problems)
                 self._read = (fams, now)
                 self.reads += 1
         fatal = next((f for f in fams if f.name == ENGINE_FATAL), None)
         engine = with_zero_counters([f for f in fams if f.name not in _SIDECAR_FAMILIES])
-        fams = engine
+        try:
+            engine_text = generate_latest(Families(engine))
+        except Exception as e:  # every file's keys were rendered alone (judge_key): should not happen
+            # Never answer 500 for what the state dir holds: serve the sidecar's own series
+            # and flag the whole metrics dir (once, while it lasts), so KVGuardSidecarBlind fires.
+            problems = problems if problems is not None else {"metrics_dir": {}}
+            problems["metrics_dir"]["metrics/"] = Problem(names.REASON_UNEXPECTED, f"rendering: {describe_error(e)}")
+            engine, fatal, engine_text = [], None, b""
+        if problems is not None:
+            self.poller.problems.observe(problems)
+        # generate_latest renders collector after collector: the engine's text, then the
+        # sidecar's own (rendered now, after the problems above were counted)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(engine))
         registry.register(SidecarCollector(self.view, fatal))
-        result = ScrapeResult(fams, generate_latest(registry), time.monotonic())
+        result = ScrapeResult(engine, engine_text + generate_latest(registry), time.monotonic())
         self.latest = result
         self.scrapes += 1
         return result
@@ -270,14 +319,14 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             state=snap.state.value,
             deaths=snap.deaths,
             fatal_records=tuple(poller.fatal_records),
-            errors=poller.problems.totals(),
+            errors=poller.problems.by_reason(),
             unreadable=poller.problems.unreadable(),
             kvguard_version=kv_version,
             vllm_version=vllm_version(),
             startup_budget=cfg.startup_budget,
         )
 
-    scraper = Scraper(state, poller, view, max_age=cfg.metrics_max_age)
+    scraper = Scraper(state, poller, view, max_age=cfg.metrics_max_age, grace=cfg.effective_metrics_dir_grace)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -387,7 +436,12 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             state_dir=str(state.root) if state else None,
             errors=poller.problems.totals(),
             blind=bool(listing),
-            unreadable=[StateDirProblem(source=s, path=p_, reason=r) for s, p_, r in listing],
+            unreadable=[StateDirProblem(source=s, path=p_, reason=r, detail=d) for s, p_, r, d in listing],
+            waiting=[
+                StateDirProblem(source=s, path=p_, reason=pr.reason, detail=pr.detail)
+                for s, ps in sorted(scraper.waiting.items())
+                for p_, pr in sorted(ps.items())
+            ],
             metrics_reads=scraper.reads,
         )
 

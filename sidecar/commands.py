@@ -56,6 +56,12 @@ def _load_sidecar(**given: object) -> object:
     help="seconds vLLM may take to come up before it counts as dead [env KVGUARD_STARTUP_BUDGET; 600]",
 )
 @click.option(
+    "--metrics-dir-grace",
+    default=None,
+    type=float,
+    help="seconds a missing metrics/ counts as waiting for vLLM, not blind [env KVGUARD_METRICS_DIR_GRACE; the startup budget]",
+)
+@click.option(
     "--metrics-max-age",
     default=None,
     type=float,

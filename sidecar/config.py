@@ -56,6 +56,12 @@ class SidecarConfig(_Base):
       from the sidecar's start or a new ``kvguard run`` child before it counts as ``dead``
       (and ``VLLMEngineDown`` may fire); default 600 s, about the 10 minutes the vLLM
       container's startup probe allows in ``deploy/k8s`` (0 < x <= 86400).
+    - ``metrics_dir_grace``: seconds from the sidecar's start during which a missing
+      ``$STATE/metrics`` (one never seen yet) is ``waiting`` for vLLM's plugin (or
+      ``kvguard run``) to create it, not a ``metrics_dir`` problem; after it, or once the
+      directory was seen, a missing one is blind (``KVGuardSidecarBlind``). ``None``
+      (default): the startup budget, since the directory appears when vLLM starts, before
+      its engine comes up (0..86400; 0: blind at once).
     - ``metrics_max_age``: a ``/metrics`` within this many seconds of the last read of
       the state dir reuses that read (the sidecar's own series are always fresh); default
       0.5 s, below any scrape interval; 0 reads on every scrape (0..10).
@@ -73,6 +79,7 @@ class SidecarConfig(_Base):
     poll_interval: float = 0.2
     health_timeout: float = 0.5
     startup_budget: float = 600.0
+    metrics_dir_grace: float | None = None
     metrics_max_age: float = 0.5
     vllm_version: str | None = None
     policy: str = "guard"
@@ -114,6 +121,18 @@ class SidecarConfig(_Base):
         if not 0 < v <= 86400:
             raise ValueError("must be > 0 and <= 86400 seconds")
         return v
+
+    @field_validator("metrics_dir_grace")
+    @classmethod
+    def _grace(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v <= 86400:
+            raise ValueError("must be >= 0 and <= 86400 seconds")
+        return v
+
+    @property
+    def effective_metrics_dir_grace(self) -> float:
+        """``metrics_dir_grace``, or the startup budget when it is ``None`` (seconds)."""
+        return self.startup_budget if self.metrics_dir_grace is None else self.metrics_dir_grace
 
     @field_validator("metrics_max_age")
     @classmethod

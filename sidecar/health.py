@@ -59,10 +59,11 @@ from kvguard.guards.statefile import (
     RunRecord,
     StateDir,
     StateFileError,
+    os_error_reason,
     read_fatal_records,
     read_run_record,
 )
-from kvguard.sidecar.problems import ProblemLog
+from kvguard.sidecar.problems import Problem, ProblemLog
 
 __all__ = [
     "EngineSnapshot",
@@ -288,19 +289,21 @@ class HealthPoller:
         """Read ``run.json`` and the fatal records (blocking: call it in a worker thread).
         Returns the ids ``(pid, time)`` of the fatal records of the current start (those
         recorded at or after ``run.json``'s ``started``; all of them without a run
-        record) and the run view. Problems go to :attr:`problems`."""
+        record) and the run view. Both are checked against one reading of :attr:`clock`:
+        a record or run from the future is rejected, not served. Problems go to
+        :attr:`problems`."""
         if self.state_dir is None:
             return frozenset(), None
-        found: dict[str, dict[str, str]] = {"run_record": {}, "fatal_dir": {}, "fatal_record": {}}
+        found: dict[str, dict[str, Problem]] = {"run_record": {}, "fatal_dir": {}, "fatal_record": {}}
         run: RunRecord | None = None
+        now = self.clock()
         try:
-            run = read_run_record(self.state_dir)
+            run = read_run_record(self.state_dir, now=lambda: now)
         except (OSError, StateFileError) as e:
-            found["run_record"][RUN_FILE] = _reason(e)
-        records, errors = read_fatal_records(self.state_dir)
+            found["run_record"][RUN_FILE] = _problem(e)
+        records, errors = read_fatal_records(self.state_dir, now=lambda: now)
         for err in errors:
-            name, _, why = err.partition(": ")
-            found["fatal_dir" if name.endswith("/") else "fatal_record"][name] = why
+            found["fatal_dir" if err.name.endswith("/") else "fatal_record"][err.name] = Problem(err.reason, err.detail)
         self.problems.observe(found)
         self.fatal_records, self.run_record = records, run
         since = run.started if run is not None else float("-inf")
@@ -351,7 +354,8 @@ def _describe_error(e: httpx.HTTPError, timeout: float) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _reason(e: Exception) -> str:
-    if isinstance(e, OSError):
-        return f"{type(e).__name__}: {e.strerror or e}"
-    return str(e)
+def _problem(e: OSError | StateFileError) -> Problem:
+    """The :class:`Problem` of a state file that could not be read."""
+    if isinstance(e, StateFileError):
+        return Problem(e.kind, str(e))
+    return Problem(os_error_reason(e), f"{type(e).__name__}: {e.strerror or e}")

@@ -287,7 +287,7 @@ class Supervisor:
         while True:
             records, errors = read_fatal_records(state)
             for err in errors:
-                log.warning("fatal_record_unreadable", error=err)
+                log.warning("fatal_record_unreadable", error=str(err), reason=err.reason)
             records = [r for r in records if r.time >= since]  # this start's only
             if records or time.monotonic() >= deadline:
                 return records[-1] if records else None

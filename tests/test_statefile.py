@@ -88,7 +88,8 @@ def test_truncated_or_malformed_record_is_rejected_without_failing_the_read(tmp_
     (state.fatal / "2.json").write_bytes(content)
     records, errors = read_fatal_records(state)
     assert [r.pid for r in records] == [1]
-    assert len(errors) == 1 and errors[0].startswith("2.json: ") and why in errors[0]
+    assert len(errors) == 1 and str(errors[0]).startswith("2.json: ") and why in str(errors[0])
+    assert (errors[0].name, errors[0].reason) == ("2.json", "corrupt")
 
 
 def test_oversized_record_is_rejected():
@@ -140,3 +141,132 @@ def test_statefile_is_stdlib_only():
         for a in (n.names if isinstance(n, ast.Import) else [n])
     }
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+
+
+# --- issue 23 item 3: the reader accepts exactly what the writer can write -----------------
+
+from kvguard.guards import names  # noqa: E402
+from kvguard.guards import statefile  # noqa: E402
+from kvguard.guards.statefile import (  # noqa: E402
+    MAX_CLOCK_STEP,
+    MAX_LABEL_CHARS,
+    RunRecord,
+    exception_label,
+    read_run_record,
+    write_run_record,
+)
+
+NOW = 1_700_000_000.0
+
+
+def raw_record(**over) -> bytes:
+    obj = {"exception": "AssertionError", "message": "m", "site": None, "time": NOW, "pid": 3,
+           "vllm_version": "0.33.0", "phase": "running"}
+    obj.update(over)
+    return json.dumps(obj).encode()
+
+
+def test_kinds_are_the_sidecar_reason_labels():
+    """statefile stays stdlib only, so it spells the reasons out; they must be names'."""
+    assert set(statefile.KINDS) <= set(names.SIDECAR_REASONS)
+    for attr in dir(statefile):
+        if attr.startswith("KIND_"):
+            assert getattr(statefile, attr) == getattr(names, "REASON_" + attr[len("KIND_"):]), attr
+
+
+@pytest.mark.parametrize(
+    "over, kind",
+    [
+        ({"time": 1e300}, "future_time"),
+        ({"time": NOW + 86400}, "future_time"),
+        ({"time": NOW + MAX_CLOCK_STEP + 0.5}, "future_time"),
+        ({"time": float("inf")}, "invalid_field"),  # json.dumps writes Infinity, json.loads reads it
+        ({"time": float("nan")}, "invalid_field"),
+        ({"time": 10**400}, "invalid_field"),  # an int beyond a float's range
+        ({"exception": "E" * 15000}, "oversized_field"),
+        ({"exception": "E" * (MAX_LABEL_CHARS + 1)}, "oversized_field"),
+        ({"exception": "Assertion Error"}, "invalid_field"),
+        ({"exception": "torch.OutOfMemoryError"}, "invalid_field"),
+        ({"exception": ""}, "invalid_field"),
+        ({"message": "x" * (MAX_MESSAGE_CHARS + 1)}, "oversized_field"),
+        ({"vllm_version": "v" * (MAX_LABEL_CHARS + 1)}, "oversized_field"),
+    ],
+)
+def test_a_record_the_writer_never_writes_is_rejected_with_its_reason(over, kind):
+    with pytest.raises(StateFileError) as info:
+        parse_fatal_record(raw_record(**over), now=NOW)
+    assert info.value.kind == kind
+
+
+@pytest.mark.parametrize("raw", [b"[" * 16000, b'{"pid": ' + b"1" * 5000 + b"}"])
+def test_json_that_python_refuses_is_corrupt_not_an_escaped_error(raw):
+    """A record nested 16000 deep raises RecursionError and a 5000-digit int ValueError
+    (Python's int limit): neither may escape the reader."""
+    with pytest.raises(StateFileError) as info:
+        parse_fatal_record(raw, now=NOW)
+    assert info.value.kind == "corrupt"
+
+
+def test_the_bounds_themselves_are_accepted():
+    rec = parse_fatal_record(
+        raw_record(time=NOW + MAX_CLOCK_STEP, exception="E" * MAX_LABEL_CHARS, message="x" * MAX_MESSAGE_CHARS,
+                   vllm_version="v" * MAX_LABEL_CHARS),
+        now=NOW,
+    )
+    assert (rec.time, len(rec.exception), len(rec.message), len(rec.vllm_version)) == (
+        NOW + MAX_CLOCK_STEP, MAX_LABEL_CHARS, MAX_MESSAGE_CHARS, MAX_LABEL_CHARS,
+    )
+    assert parse_fatal_record(raw_record(time=1e300)).time == 1e300  # without a clock: not checked
+
+
+def test_the_writer_clamps_to_what_the_reader_accepts():
+    long_name = type("E" * 150, (Exception,), {})
+    odd_name = type("3 bad-name!", (Exception,), {})
+    for exc, expect in ((long_name("m"), "E" * MAX_LABEL_CHARS), (odd_name("m"), "_3_bad_name_")):
+        rec = FatalRecord.from_exception(exc, site=None, pid=1, vllm_version="v" * 150, now=lambda: NOW)
+        assert rec.exception == expect
+        assert len(rec.vllm_version) == MAX_LABEL_CHARS
+        from dataclasses import asdict
+
+        assert parse_fatal_record(json.dumps(asdict(rec)).encode(), now=NOW) == rec
+    assert exception_label("OutOfMemoryError") == "OutOfMemoryError"
+
+
+def test_read_fatal_records_rejects_a_future_record_by_the_given_clock(tmp_path):
+    state = StateDir(tmp_path).ensure()
+    write_fatal_record(state, record(1, t=NOW))
+    (state.fatal / "2-1.json").write_bytes(raw_record(time=NOW + 86400))
+    records, errors = read_fatal_records(state, now=lambda: NOW)
+    assert [r.pid for r in records] == [1]
+    assert [(e.name, e.reason) for e in errors] == [("2-1.json", "future_time")]
+    assert str(errors[0]) == "2-1.json: recorded 86400 s in the future (more than 60 s)"
+
+
+def test_kvguard_run_prunes_a_future_record_at_its_start(tmp_path):
+    """prune_fatal keeps the newest good records; a record from the future is not one."""
+    state = StateDir(tmp_path).ensure()
+    write_fatal_record(state, record(1, t=NOW))
+    (state.fatal / "2-9.json").write_bytes(raw_record(time=1e300))
+    removed = state.prune_fatal()
+    assert [p.name for p in removed] == ["2-9.json"]
+    assert sorted(p.name for p in state.fatal.iterdir()) == [f"1-{int(NOW * 1000)}.json"]
+
+
+@pytest.mark.parametrize(
+    "started, kind",
+    [(1e300, "future_time"), (NOW + 86400, "future_time"), (float("nan"), "invalid_field"), (float("inf"), "invalid_field")],
+)
+def test_a_run_record_from_the_future_is_rejected(tmp_path, started, kind):
+    """A run.json started in the future made every fatal record of this start look older."""
+    state = StateDir(tmp_path)
+    write_run_record(state, RunRecord(started=started, state="running", pid=1))
+    with pytest.raises(StateFileError) as info:
+        read_run_record(state, now=lambda: NOW)
+    assert info.value.kind == kind
+
+
+def test_a_deeply_nested_run_record_is_corrupt(tmp_path):
+    (tmp_path / "run.json").write_text("[" * 4000)
+    with pytest.raises(StateFileError) as info:
+        read_run_record(StateDir(tmp_path))
+    assert info.value.kind == "corrupt"

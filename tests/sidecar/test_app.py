@@ -131,18 +131,26 @@ def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
         assert ("kvguard_build_info", (("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", "0.32.0"))) in m
 
 
+def errors(m: dict, source: str, reason: str) -> float:
+    return m[("kvguard_sidecar_errors_total", (("reason", reason), ("source", source)))]
+
+
+def unreadable(m: dict, source: str, reason: str) -> float:
+    return m[("kvguard_sidecar_unreadable", (("reason", reason), ("source", source)))]
+
+
 def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_path):
     missing = tmp_path / "missing"
-    with TestClient(create_app(cfg(fake.url, missing))) as client:
+    with TestClient(create_app(cfg(fake.url, missing, metrics_dir_grace=0))) as client:  # no grace: blind at once
         r = client.get("/metrics")
         assert r.status_code == 200
-        assert samples(r.text)[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] >= 1.0
+        assert errors(samples(r.text), "metrics_dir", "missing") == 1.0
         assert client.get("/status").status_code == 200
 
     state = StateDir(tmp_path / "s").ensure()
     with TestClient(create_app(cfg(fake.url, state.root))) as client:  # empty
         m = samples(client.get("/metrics").text)
-        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] == 0.0
+        assert errors(m, "metrics_dir", "missing") == 0.0
         assert m[("kvguard_engine_up", ())] in (0.0, 1.0)
 
     write_mp(state.metrics, "Counter('kvguard_check_evaluations', 'h', ['check']).labels('x').inc(5)\n")
@@ -161,15 +169,15 @@ def test_missing_empty_and_corrupt_state_dir_are_served_and_counted(fake, tmp_pa
         assert r.status_code == 200
         m = samples(r.text)
         assert m[("kvguard_check_evaluations_total", (("check", "x"),))] == 5.0
-        assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 1.0
-        assert m[("kvguard_sidecar_unreadable", (("source", "metrics_file"),))] == 1.0
-        assert m[("kvguard_sidecar_errors_total", (("source", "fatal_record"),))] == 1.0
+        assert errors(m, "metrics_file", "corrupt") == 1.0
+        assert unreadable(m, "metrics_file", "corrupt") == 1.0
+        assert errors(m, "fatal_record", "corrupt") == 1.0
         status = client.get("/status").json()
         assert status["last_fatal"] is None
         assert status["errors"]["metrics_file"] == 1 and status["errors"]["fatal_record"] == 1
         assert status["blind"] is True
-        assert [(u["source"], u["path"]) for u in status["unreadable"]] == [
-            ("fatal_record", "777.json"), ("metrics_file", "counter_999999.db"),
+        assert [(u["source"], u["path"], u["reason"]) for u in status["unreadable"]] == [
+            ("fatal_record", "777.json", "corrupt"), ("metrics_file", "counter_999999.db", "corrupt"),
         ]
 
 
@@ -264,3 +272,53 @@ def test_build_info_says_whether_kvguard_was_measured_on_the_vllm_release(fake):
         fake.version, fake.health = measured, 200
         busy_wait(lambda: client.get("/status").json()["versions"]["vllm"] == measured)
         assert build_info(client) == [(("kvguard_version", "0.1.0"), ("vllm_support", "measured"), ("vllm_version", measured))]
+
+
+def test_each_distinct_key_is_judged_once_across_scrapes(fake, tmp_path):
+    """The per-key check (collector.judge_key) runs once per distinct (type, mode, key), not
+    once per file or per scrape: its cost is paid when a key first appears."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    state = StateDir(tmp_path).ensure()
+    for n in (1, 2, 3):  # three processes, the same keys
+        write_mp(state.metrics, f"Counter('kvguard_check_evaluations', 'h', ['check']).labels('swa_pending_bound').inc({n})\n"
+                                "Histogram('kvguard_swa_pending_bound_ratio', 'h', buckets=(0.5, 1.0)).observe(0.7)\n")
+    distinct = {
+        (f.name.split("_")[0], key)
+        for f in state.metrics.glob("*.db")
+        for key, _, _, _ in MmapedDict.read_all_values_from_file(str(f))
+    }
+    # two files per process; the counter key, 3 bucket keys (0.5, 1.0, +Inf) and _sum (_count is derived)
+    assert len(list(state.metrics.glob("*.db"))) == 6 and len(distinct) == 1 + 3 + 1
+    with TestClient(create_app(cfg(fake.url, tmp_path, metrics_max_age=0))) as client:
+        scraper = client.app.state.scraper
+        for _ in range(3):
+            assert client.get("/metrics").status_code == 200
+        assert scraper.reads == 3
+        assert scraper.verdicts.judged == len(distinct)
+        assert samples(client.get("/metrics").text)[("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),))] == 6.0
+
+
+def test_a_render_failure_serves_the_sidecar_series_and_flags_the_metrics_dir(fake, tmp_path, monkeypatch):
+    """Belt and braces behind the per-file checks: should a family that cannot be rendered
+    ever reach the exposition, /metrics still answers 200 with the sidecar's own series and
+    the metrics dir counts as unusable (KVGuardSidecarBlind), instead of a 500 per request."""
+    import kvguard.sidecar.app as app_mod
+    from prometheus_client.core import Metric
+
+    StateDir(tmp_path).ensure()
+    bad = Metric("kvguard_bad", 5, "counter")  # a help text that is not a string
+    bad.add_sample("kvguard_bad_total", {}, 1.0)
+    monkeypatch.setattr(app_mod, "with_zero_counters", lambda families: [bad])
+    with TestClient(create_app(cfg(fake.url, tmp_path, metrics_max_age=0))) as client:
+        for _ in range(3):  # three reads, three failed renders: one problem, counted once
+            r = client.get("/metrics")
+            assert r.status_code == 200
+        m = samples(r.text)
+        assert unreadable(m, "metrics_dir", "unexpected") == 1.0 and errors(m, "metrics_dir", "unexpected") == 1.0
+        assert ("kvguard_bad_total", ()) not in m and ("kvguard_engine_up", ()) in m
+        status = client.get("/status").json()
+        assert [(u["source"], u["reason"], u["detail"]) for u in status["unreadable"]] == [
+            ("metrics_dir", "unexpected", "rendering: AttributeError: 'int' object has no attribute 'replace'"),
+        ]
+        assert client.app.state.scraper.reads >= 3

@@ -41,8 +41,9 @@ def test_sidecar_defaults(captured):
     assert captured["sidecar"] == SidecarConfig(
         vllm_url="http://127.0.0.1:8000", state_dir=None, host="0.0.0.0", port=9400,
         poll_interval=0.2, health_timeout=0.5, vllm_version=None, policy="guard",
-        log_level="info", log_json=True, startup_budget=600.0, metrics_max_age=0.5,
+        log_level="info", log_json=True, startup_budget=600.0, metrics_max_age=0.5, metrics_dir_grace=None,
     )
+    assert captured["sidecar"].effective_metrics_dir_grace == 600.0  # the startup budget
 
 
 def test_sidecar_flags_map_one_to_one(captured, tmp_path):
@@ -50,11 +51,12 @@ def test_sidecar_flags_map_one_to_one(captured, tmp_path):
         "sidecar", "--vllm-url", "http://10.0.0.1:8001/", "--state-dir", str(tmp_path),
         "--host", "127.0.0.1", "--port", "9500", "--poll-interval", "0.1", "--health-timeout", "0.3",
         "--vllm-version", "0.33.0", "--policy", "strict", "--log-level", "DEBUG", "--log-console",
-        "--startup-budget", "900", "--metrics-max-age", "0",
+        "--startup-budget", "900", "--metrics-max-age", "0", "--metrics-dir-grace", "45",
     ])
     assert r.exit_code == 0, r.output
     cfg = captured["sidecar"]
     assert (cfg.startup_budget, cfg.metrics_max_age) == (900.0, 0.0)
+    assert (cfg.metrics_dir_grace, cfg.effective_metrics_dir_grace) == (45.0, 45.0)
     assert (cfg.vllm_url, cfg.state_dir, cfg.host, cfg.port) == ("http://10.0.0.1:8001", tmp_path, "127.0.0.1", 9500)
     assert (cfg.poll_interval, cfg.health_timeout, cfg.vllm_version) == (0.1, 0.3, "0.33.0")
     assert (cfg.policy, cfg.log_level, cfg.log_json) == ("strict", "debug", False)
@@ -77,6 +79,8 @@ def test_environment_is_the_fallback_and_flags_win(captured, tmp_path):
         ([], {"KVGUARD_PORT": "x"}, "invalid setting KVGUARD_PORT (--port): Input should be a valid integer"),
         (["--startup-budget", "0"], {}, "invalid setting KVGUARD_STARTUP_BUDGET (--startup-budget): must be > 0"),
         ([], {"KVGUARD_METRICS_MAX_AGE": "-1"}, "invalid setting KVGUARD_METRICS_MAX_AGE (--metrics-max-age): must be >= 0"),
+        (["--metrics-dir-grace", "-1"], {}, "invalid setting KVGUARD_METRICS_DIR_GRACE (--metrics-dir-grace): must be >= 0"),
+        ([], {"KVGUARD_METRICS_DIR_GRACE": "86401"}, "invalid setting KVGUARD_METRICS_DIR_GRACE (--metrics-dir-grace): must be >= 0 and <= 86400"),
     ],
 )
 def test_bad_sidecar_setting_fails_at_start_naming_it(captured, args, env, message):

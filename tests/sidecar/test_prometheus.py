@@ -261,6 +261,6 @@ def test_an_unreadable_state_dir_fires_kvguard_sidecar_blind(fake_vllm, sidecar_
         busy_wait(lambda: prom.firing("KVGuardSidecarBlind"), timeout=60, interval=0.5)
         [alert] = prom.firing("KVGuardSidecarBlind")
         assert alert["labels"]["severity"] == "warning"
-        assert prom.value('kvguard_sidecar_unreadable{source="metrics_dir"}') == 1.0
+        assert prom.value('kvguard_sidecar_unreadable{source="metrics_dir",reason="permission_denied"}') == 1.0
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -61,8 +61,13 @@ def status(side) -> dict:
     return r.json()
 
 
-def unreadable(side) -> list[tuple[str, str, str]]:
-    return [(u["source"], u["path"], u["reason"]) for u in status(side)["unreadable"]]
+def unreadable(side) -> list[tuple[str, str, str, str]]:
+    return [(u["source"], u["path"], u["reason"], u["detail"]) for u in status(side)["unreadable"]]
+
+
+def series(name: str, source: str, reason: str) -> tuple[str, tuple]:
+    """The ``samples()`` key of ``name{source, reason}``."""
+    return (name, (("reason", reason), ("source", source)))
 
 
 # --- row 8: FIFOs, links to devices ------------------------------------------------------
@@ -76,8 +81,8 @@ def test_a_fifo_db_never_hangs_metrics_status_or_shutdown(fake_vllm, sidecar_pro
     assert r.status_code == 200, r.text
     m = samples(r.text)
     assert m[VIOLATION] == 2.0  # the real file is still merged
-    assert m[("kvguard_sidecar_unreadable", (("source", "metrics_file"),))] == 1.0
-    assert unreadable(side) == [("metrics_file", "counter_666-1.db", "not a regular file (fifo)")]
+    assert m[series("kvguard_sidecar_unreadable", "metrics_file", "not_regular")] == 1.0
+    assert unreadable(side) == [("metrics_file", "counter_666-1.db", "not_regular", "not a regular file (fifo)")]
     code, out = side.stop()
     assert code == 0, out  # row 9: a SIGTERM'd sidecar exits 0, and nothing blocked shutdown
 
@@ -88,7 +93,7 @@ def test_a_fifo_json_never_freezes_the_probes(fake_vllm, sidecar_proc, shared_di
     side = sidecar_proc(fake_vllm.url, shared_dir)
     for _ in range(20):
         assert side.get("/livez", timeout=2).status_code == 200
-    assert unreadable(side) == [("fatal_record", "9-9000.json", "not a regular file (fifo)")]
+    assert unreadable(side) == [("fatal_record", "9-9000.json", "not_regular", "not a regular file (fifo)")]
 
 
 def test_a_record_linked_to_dev_zero_is_not_followed(fake_vllm, sidecar_proc, shared_dir):
@@ -98,7 +103,7 @@ def test_a_record_linked_to_dev_zero_is_not_followed(fake_vllm, sidecar_proc, sh
     polls = status(side)["engine"]["polls"]
     busy_wait(lambda: status(side)["engine"]["polls"] >= polls + 20)
     assert psutil.Process(side.proc.pid).memory_info().rss < 200 * 2**20
-    assert unreadable(side) == [("fatal_record", "x.json", "a symlink (not followed)")]
+    assert unreadable(side) == [("fatal_record", "x.json", "not_regular", "a symlink (not followed)")]
     assert side.get("/livez", timeout=2).status_code == 200
 
 
@@ -113,7 +118,7 @@ def test_a_50_mb_junk_record_is_rejected_without_being_read(fake_vllm, sidecar_p
     busy_wait(lambda: status(side)["engine"]["polls"] >= polls + 20)
     read = proc.io_counters().read_chars - before
     assert read < 5 * 2**20, f"the sidecar read {read} bytes in 20 polls"
-    assert unreadable(side) == [("fatal_record", "junk.json", "52428800 bytes, more than 16384")]
+    assert unreadable(side) == [("fatal_record", "junk.json", "too_large", "52428800 bytes, more than 16384")]
 
 
 # --- row 7: one meaning for every error count -------------------------------------------
@@ -128,11 +133,11 @@ def read_again(side, times: int) -> None:
 
 
 def test_each_problem_counts_once_and_a_file_being_created_is_no_error(fake_vllm, sidecar_proc, shared_dir):
-    side = sidecar_proc(fake_vllm.url, shared_dir / "not-yet")
+    side = sidecar_proc(fake_vllm.url, shared_dir / "not-yet", "--metrics-dir-grace", "0")
     read_again(side, 3)
     m = samples(side.get("/metrics").text)
-    assert m[("kvguard_sidecar_errors_total", (("source", "metrics_dir"),))] == 1.0
-    assert m[("kvguard_sidecar_unreadable", (("source", "metrics_dir"),))] == 1.0
+    assert m[series("kvguard_sidecar_errors_total", "metrics_dir", "missing")] == 1.0
+    assert m[series("kvguard_sidecar_unreadable", "metrics_dir", "missing")] == 1.0
     side.kill()
 
     state = StateDir(shared_dir).ensure()
@@ -145,13 +150,14 @@ def test_each_problem_counts_once_and_a_file_being_created_is_no_error(fake_vllm
     busy_wait(lambda: status(side)["engine"]["polls"] >= polls + 10)  # the fatal dir read 10+ times
     read_again(side, 3)
     m = samples(side.get("/metrics").text)
-    errors = {src: m[("kvguard_sidecar_errors_total", (("source", src),))] for src in ("metrics_file", "fatal_record", "metrics_dir")}
-    assert errors == {"metrics_file": 1.0, "fatal_record": 1.0, "metrics_dir": 0.0}
+    errors = {src: m[series("kvguard_sidecar_errors_total", src, "corrupt")] for src in ("metrics_file", "fatal_record")}
+    assert errors == {"metrics_file": 1.0, "fatal_record": 1.0}
+    assert m[series("kvguard_sidecar_errors_total", "metrics_dir", "missing")] == 0.0
     assert status(side)["errors"]["metrics_file"] == 1
     (state.metrics / "counter_7-1.db").unlink()  # gone: no longer unreadable; counts stay
-    unread = ("kvguard_sidecar_unreadable", (("source", "metrics_file"),))
+    unread = series("kvguard_sidecar_unreadable", "metrics_file", "corrupt")
     m = busy_wait(lambda: (lambda m: m if m[unread] == 0.0 else None)(samples(side.get("/metrics").text)))
-    assert m[("kvguard_sidecar_errors_total", (("source", "metrics_file"),))] == 1.0
+    assert m[series("kvguard_sidecar_errors_total", "metrics_file", "corrupt")] == 1.0
 
 
 # --- row 3: permissions by design ---------------------------------------------------------
@@ -197,15 +203,15 @@ def test_what_the_sidecar_cannot_read_is_counted_shown_and_flagged(fake_vllm, si
     st = StateDir(shared_dir)
     if fault == "metrics_unreadable":
         os.chmod(st.metrics, 0o700)
-        expect = ("metrics_dir", "metrics/", "PermissionError: Permission denied")
+        expect = ("metrics_dir", "metrics/", "permission_denied", "PermissionError: Permission denied")
     elif fault == "fatal_unreadable":
         os.chmod(st.fatal, 0o700)
-        expect = ("fatal_dir", "fatal/", "PermissionError: Permission denied")
+        expect = ("fatal_dir", "fatal/", "permission_denied", "PermissionError: Permission denied")
     else:
         shutil.rmtree(st.fatal)
         st.fatal.write_text("not a directory")
         os.chmod(st.fatal, 0o644)
-        expect = ("fatal_dir", "fatal/", "NotADirectoryError: Not a directory")
+        expect = ("fatal_dir", "fatal/", "not_a_directory", "NotADirectoryError: Not a directory")
     hand_over(shared_dir)
     if os.geteuid() != 0 and fault != "fatal_is_a_file":  # pragma: no cover - non-root CI
         os.chmod(st.metrics if fault == "metrics_unreadable" else st.fatal, 0o000)
@@ -216,8 +222,8 @@ def test_what_the_sidecar_cannot_read_is_counted_shown_and_flagged(fake_vllm, si
     assert body["blind"] is True
     assert unreadable(side) == [expect]
     m = samples(side.get("/metrics").text)
-    assert m[("kvguard_sidecar_unreadable", (("source", expect[0]),))] == 1.0
-    assert m[("kvguard_sidecar_errors_total", (("source", expect[0]),))] == 1.0
+    assert m[series("kvguard_sidecar_unreadable", expect[0], expect[2])] == 1.0
+    assert m[series("kvguard_sidecar_errors_total", expect[0], expect[2])] == 1.0
 
 
 # --- rows 4 and 5: probes never wait on metrics; one scrape shared ------------------------
@@ -237,10 +243,10 @@ def served_app(fake_vllm, tmp_path, monkeypatch):
     calls: list[int] = []
     real = app_mod.read_metrics_dir
 
-    def held(path):
+    def held(path, *args):
         calls.append(1)
         gate.wait(30)
-        return real(path)
+        return real(path, *args)
 
     monkeypatch.setattr(app_mod, "read_metrics_dir", held)
     port = free_port()
