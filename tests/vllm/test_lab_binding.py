@@ -71,7 +71,8 @@ def _summary(result: harness.ReplayResult) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline():
-    result = harness.run_replay(load_trace(TRACE), guard=False)
+    # guarded: 0.21.0 over-counts a store of this trace (#42945) and dies without the guard
+    result = harness.run_replay(load_trace(TRACE), guard=True)
     assert result.ok, result.error
     return result
 
@@ -91,7 +92,7 @@ def test_a_removed_field_and_an_added_optional_field_need_no_lab_change(baseline
         return obj
 
     monkeypatch.setattr(vllm_api, "build_struct", spy)
-    result = harness.run_replay(load_trace(TRACE), guard=False)
+    result = harness.run_replay(load_trace(TRACE), guard=True)
     assert _summary(result) == _summary(baseline)
     assert result.outputs == baseline.outputs
     steps = [o for o in made if isinstance(o, copy)]
