@@ -39,6 +39,7 @@ __all__ = [
     "installed",
     "uninstalled",
     "hit_reduced",
+    "check_skipped",
     "capture",
 ]
 
@@ -211,3 +212,10 @@ def hit_reduced(**fields: Any) -> None:
     check, action (``hit_reduced`` / ``continued`` / ``raised``), request_id, local /
     external / admitted hit tokens, recomputed_tokens, missing_chunks, first_missing."""
     _emit("warning", names.EVENT_HIT_REDUCED, fields)
+
+
+def check_skipped(**fields: Any) -> None:
+    """A check is skipped on a connector scheduler (issue 20 item 5), once per scheduler,
+    check and reason: check, reason (:data:`kvguard.guards.names.SKIP_REASONS`), detail
+    (what kvguard could not model or read, e.g. the group kind); vLLM's answers pass through."""
+    _emit("warning", names.EVENT_CHECK_SKIPPED, fields)
