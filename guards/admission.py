@@ -285,7 +285,8 @@ def snapshot_promotion_fit() -> dict[str, int]:
     """The promotion-fit check's in-process counts since :func:`reset`, same keys as
     :func:`snapshot`: ``evaluated`` (deferred lookups under vLLM's tiering checked),
     ``hit_reduced``, ``continued``, ``raised``, ``recomputed_tokens`` (tokens of the
-    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read)
+    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read,
+    plus one per connector scheduler whose CPU tier capacity it cannot read: ``_tiering_of``)
     and ``violations``."""
     return _prefixed_snapshot(_PF)
 
