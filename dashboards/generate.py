@@ -256,6 +256,16 @@ def build_dashboard() -> dict[str, Any]:
         "Exceptions inside kvguard's own code; vLLM ran its original path unguarded for those calls "
         "(alert KVGuardGuardErrors).",
         [_target(f"sum by (stage) (increase(kvguard_guard_errors_total{{{KV}}}{RI}))", "{{stage}}")]))
+    lay.add(_timeseries(
+        "Checks skipped by reason",
+        "Lookups an admission check did not evaluate because kvguard cannot model or read what they "
+        "involve; vLLM's answer passed through unchecked. group_kind: a KV cache group kind kvguard does "
+        "not model (full attention, sliding window and Mamba are modelled); offload_manager: an offload "
+        "manager whose cache policy kvguard cannot read; connector_config: a connector config it cannot "
+        "read; partial_tail: a partial-tail hit. Not an error (no alert); the check_skipped event names "
+        "what was not modelled.",
+        [_target(f"sum by (check, reason) (increase(kvguard_check_skipped_total{{{KV}}}{RI}))",
+                 "{{check}} ({{reason}})")]))
 
     lay.row("Engine (kvguard sidecar)")
     lay.add(_stat(

@@ -12,14 +12,26 @@ manager's cache policy (``manager._policy``, or a policy-like attribute found by
 structure: methods ``get``, ``insert``, ``remove``) is read through its ``get`` only
 after the source of that ``get`` is verified to be a single ``return`` of dict
 ``.get(key)`` reads (the LRU and ARC policies of 0.21-0.33); an entry is readable when
-its ``is_ready`` is true. A release whose manager or scheduler does not have that
-structure cannot be checked: that is counted once per connector scheduler as
-``kvguard_guard_errors_total{stage="admission"}`` with the reason in the event, and
-vLLM's answer passes through.
+its ``is_ready`` is true.
+
+What kvguard cannot model or read is skipped, not an error (issue 20 item 5): a connector
+scheduler with a KV cache group of a kind :mod:`~kvguard.guards.load_coverage` does not
+model (reason ``group_kind``; modelled: full attention, sliding window, Mamba), with a
+manager whose cache policy has not the structure above (``offload_manager``: a custom
+``OffloadingManager``, or a test double), or whose config lacks what the plan reads
+(``connector_config``); and a partial-tail hit (``partial_tail``, below). Each lookup
+with a hit that the check so skips counts ``kvguard_check_skipped_total{check=
+"load_coverage", reason}`` (in-process: ``unchecked``), the first one of each reason on a
+connector scheduler emits a ``check_skipped`` event with what was not modelled, and
+vLLM's answer passes through. ``kvguard_guard_errors_total{stage="admission"}`` counts
+only exceptions inside kvguard's code (``KVGuardGuardErrors`` pages on those alone).
 
 What is read: every chunk of a sliding-window group's load set (at most
-``cdiv(sliding_window + extra_retained_tokens, tokens_per_chunk) + 1`` chunks), and the
-first and last chunk of a full-attention group's load set. The interior of a
+``cdiv(sliding_window + extra_retained_tokens, tokens_per_chunk) + 1`` chunks), the one
+chunk of a Mamba group's load set (the chunk holding the state at the hit's end,
+``(num_cached_tokens - 1) // tokens_per_chunk``: :mod:`~kvguard.guards.load_coverage`
+derives it from ``MambaManager``), and the first and last chunk of a full-attention
+group's load set. The interior of a
 full-attention load set is what vLLM's own lookup has just confirmed: in 0.21.0-0.33.0
 a full-attention group's hit is a maximal run of HIT chunks starting at
 ``num_computed_tokens // tokens_per_chunk`` (``_maximal_prefix_lookup``) and nothing
@@ -65,8 +77,9 @@ object). Otherwise, by policy:
 ============  ==========================================================================
 
 An exception inside the check counts ``kvguard_guard_errors_total{stage="admission"}``
-and vLLM's answer passes through. Also skipped (passed through, uncounted): a deferred
-answer (``None``) without vLLM's tiering, a hit of 0, and a 0.33 partial-tail hit
+and vLLM's answer passes through. Passed through without a count: a deferred answer
+(``None``) without vLLM's tiering and a hit of 0 (nothing to check). Passed through and
+counted as skipped (``reason="partial_tail"``): a 0.33+ partial-tail hit
 (``partial_tail_boundary`` set: its boundary key is not a chunk of
 :mod:`~kvguard.guards.load_coverage`).
 
@@ -186,6 +199,7 @@ __all__ = [
     "snapshot",
     "snapshot_promotion_fit",
     "snapshot_promotion_progress",
+    "snapshot_skipped",
     "record_lookup",
     "reset",
     "metrics_sink",
@@ -210,7 +224,14 @@ _FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
 
 
 class Unsupported(Exception):
-    """This release's connector or manager lacks the structure the check needs (message: why)."""
+    """The check cannot be made on this connector scheduler: kvguard cannot model or read
+    what it needs (message: what). ``reason``: one of
+    :data:`kvguard.guards.names.SKIP_REASONS`, the ``reason`` label of
+    ``kvguard_check_skipped_total`` (not a guard error: nothing in kvguard failed)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True,
@@ -247,6 +268,7 @@ def reset() -> None:
     with _lock:
         _stats.clear()
         _stats.update(dict.fromkeys(_STAT_KEYS, 0))
+        _skipped.clear()
 
 
 def snapshot() -> dict[str, int]:
@@ -263,7 +285,8 @@ def snapshot_promotion_fit() -> dict[str, int]:
     """The promotion-fit check's in-process counts since :func:`reset`, same keys as
     :func:`snapshot`: ``evaluated`` (deferred lookups under vLLM's tiering checked),
     ``hit_reduced``, ``continued``, ``raised``, ``recomputed_tokens`` (tokens of the
-    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read)
+    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read,
+    plus one per connector scheduler whose CPU tier capacity it cannot read: ``_tiering_of``)
     and ``violations``."""
     return _prefixed_snapshot(_PF)
 
@@ -275,6 +298,14 @@ def snapshot_promotion_progress() -> dict[str, int]:
     ``recomputed_tokens``, ``unchecked`` (always 0: an unreadable deferral counts under
     ``promotion_fit``) and ``violations``."""
     return _prefixed_snapshot(_PP)
+
+
+def snapshot_skipped() -> dict[tuple[str, str], int]:
+    """In-process skipped evaluations since :func:`reset`, by ``(check, reason)`` (what
+    ``kvguard_check_skipped_total`` counts; pairs with none are absent). Each is also in
+    that check's ``unchecked`` of :func:`snapshot` / :func:`snapshot_promotion_fit`."""
+    with _lock:
+        return dict(_skipped)
 
 
 def _prefixed_snapshot(prefix: str) -> dict[str, int]:
@@ -296,8 +327,9 @@ def _bump(key: str, amount: int = 1) -> None:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[GroupGeometry, ...]
-    #: per group ``(tokens_per_block, blocks_per_chunk, tokens_per_chunk, retained tokens)``,
-    #: retained = sliding_window_tokens + extra_retained_tokens, None for full attention
+    #: per group ``(tokens_per_block, blocks_per_chunk, tokens_per_chunk, kept tokens)``,
+    #: :attr:`~kvguard.guards.load_coverage.GroupGeometry.kept_tokens`: ``sliding_window_tokens
+    #: - 1 + extra_retained_tokens`` for a window, 1 for a Mamba group, None for full attention
     fast: tuple[tuple[int, int, int, int | None], ...]
     #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
     #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
@@ -368,16 +400,24 @@ def _policy_reader(manager: Any) -> tuple[Any, str | None]:
             if attrs is not None:
                 single = len(attrs) == 1 and isinstance(getattr(policy, attrs[0], None), dict)
                 return policy, attrs[0] if single else None
-            raise Unsupported(f"{cls.__qualname__}.get is not a plain dict read")
-    raise Unsupported(f"no cache policy with get/insert/remove on {type(manager).__qualname__}")
+            raise Unsupported(names.SKIP_OFFLOAD_MANAGER, f"{cls.__qualname__}.get is not a plain dict read")
+    raise Unsupported(names.SKIP_OFFLOAD_MANAGER, f"no cache policy with get/insert/remove on {type(manager).__qualname__}")
 
 
 def _spec_kind(spec: Any) -> str:
-    """``"full"``, ``"sliding_window"``, or the spec's class name (not modelled)."""
+    """``"full"``, ``"sliding_window"``, ``"mamba"``, or the spec's class name (not modelled).
+
+    By the spec's class lineage, as vLLM's own ``isinstance`` tests decide a group's
+    manager and offload window (``offloading/config.py``
+    ``get_sliding_window_size_in_chunks``): a ``SlidingWindowSpec`` (and its subclasses),
+    a ``MambaSpec``, a ``FullAttentionSpec`` that is none of the kinds whose manager
+    allocates differently; never by release."""
     mro = {c.__name__ for c in type(spec).__mro__}
     if "SlidingWindowSpec" in mro:
         return "sliding_window"
-    special = {"MambaSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec", "SinkFullAttentionSpec"}
+    if "MambaSpec" in mro:
+        return "mamba"
+    special = {"ChunkedLocalAttentionSpec", "CrossAttentionSpec", "SinkFullAttentionSpec"}
     if "FullAttentionSpec" in mro and not mro & special:
         return "full"
     return type(spec).__name__
@@ -388,20 +428,20 @@ def _plan(cs: Any) -> _Plan:
     config = getattr(cs, "config", None)
     group_configs = getattr(config, "kv_group_configs", None)
     if group_configs is None:
-        raise Unsupported("connector scheduler has no config.kv_group_configs")
+        raise Unsupported(names.SKIP_CONNECTOR_CONFIG, "connector scheduler has no config.kv_group_configs")
     blocks_per_chunk = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor", None)
     if not isinstance(blocks_per_chunk, int):
-        raise Unsupported("no blocks_per_chunk / block_size_factor on the scheduler config")
+        raise Unsupported(names.SKIP_CONNECTOR_CONFIG, "no blocks_per_chunk / block_size_factor on the scheduler config")
     recorded = getattr(cs, "_kvguard_kv_specs", None) or {}
     groups = []
-    for gc in group_configs:
+    for index, gc in enumerate(group_configs):
         spec = getattr(gc, "kv_cache_spec", None) or recorded.get(getattr(gc, "group_idx", None))
         if spec is None:
-            raise Unsupported("no KV cache spec for a group (neither on the config nor recorded)")
+            raise Unsupported(names.SKIP_CONNECTOR_CONFIG, "no KV cache spec for a group (neither on the config nor recorded)")
         kind = _spec_kind(spec)
         tokens_per_block = getattr(gc, "tokens_per_block", None) or getattr(gc, "gpu_block_size", None)
         if not isinstance(tokens_per_block, int):
-            raise Unsupported("no tokens_per_block / gpu_block_size on a group config")
+            raise Unsupported(names.SKIP_CONNECTOR_CONFIG, "no tokens_per_block / gpu_block_size on a group config")
         if kind == "full":
             groups.append(GroupGeometry(tokens_per_block, blocks_per_chunk))
         elif kind == "sliding_window":
@@ -413,28 +453,60 @@ def _plan(cs: Any) -> _Plan:
                     int(getattr(spec, "extra_retained_tokens", 0) or 0),
                 )
             )
+        elif kind == "mamba":
+            groups.append(GroupGeometry(tokens_per_block, blocks_per_chunk, recurrent_state=True))
         else:
-            raise Unsupported(f"KV cache group kind {kind!r} is not modelled by load_coverage")
-    fast = tuple(
-        (g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk,
-         None if g.sliding_window_tokens is None else g.sliding_window_tokens + g.extra_retained_tokens)
-        for g in groups
-    )
+            raise Unsupported(
+                names.SKIP_GROUP_KIND,
+                f"KV cache group {index} (group_idx {getattr(gc, 'group_idx', None)}) kind {kind!r} "
+                "is not modelled by load_coverage",
+            )
+    fast = tuple((g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk, g.kept_tokens) for g in groups)
     return _Plan(tuple(groups), fast, *_policy_reader(cs.manager))
 
 
 def _get_plan(cs: Any) -> _Plan | Unsupported:
-    """The plan cached on ``cs`` (built on first use), or why this scheduler has none
-    (counted once, as ``kvguard_guard_errors_total{stage="admission"}``)."""
+    """The plan cached on ``cs`` (built on first use), or why this scheduler has none (an
+    :class:`Unsupported`: each lookup the check then skips counts
+    ``kvguard_check_skipped_total{reason}``, :func:`_skip`; not a guard error)."""
     plan = cs.__dict__.get(_PLAN_ATTR)
     if plan is None:
         try:
             plan = _plan(cs)
         except Unsupported as why:
             plan = why
-            runtime.guard_error(names.STAGE_ADMISSION, why)
         cs.__dict__[_PLAN_ATTR] = plan
     return plan
+
+
+#: Attribute cached on each connector scheduler instance: the ``(check, reason)`` pairs
+#: whose ``check_skipped`` event it emitted (once each).
+_SKIPS_ATTR = "_kvguard_skips_announced"
+#: in-process skips since :func:`reset`, by ``(check, reason)`` (:func:`snapshot_skipped`)
+_skipped: dict[tuple[str, str], int] = {}
+
+
+def _skip(cs: Any, check: str, prefix: str, reason: str, detail: str) -> None:
+    """Count one evaluation of ``check`` skipped on ``cs`` for ``reason`` (in-process as
+    ``prefix + "unchecked"`` and by reason, and ``kvguard_check_skipped_total``) and emit the
+    ``check_skipped`` event the first time this scheduler skips ``check`` for ``reason``.
+    Off the hot path: only a lookup the check does not evaluate comes here."""
+    with _lock:
+        _bump(prefix + "unchecked")
+        _skipped[(check, reason)] = _skipped.get((check, reason), 0) + 1
+    if _metrics is not None:
+        try:
+            _metrics.check_skipped(check, reason)
+        except Exception as error:
+            runtime.guard_error(names.STAGE_METRICS, error)
+    announced = cs.__dict__.get(_SKIPS_ATTR)
+    if announced is None:
+        announced = cs.__dict__[_SKIPS_ATTR] = set()
+    if (check, reason) in announced:
+        return
+    announced.add((check, reason))
+    if _events is not None:
+        _events.check_skipped(**{names.KEY_CHECK: check, names.KEY_REASON: reason, names.KEY_DETAIL: detail})
 
 
 # -- readiness of one offload entry ------------------------------------------------------
@@ -531,17 +603,21 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
         plan = cs.__dict__.get(_PLAN_ATTR) or _get_plan(cs)
         req_status = cs._req_status[request.request_id]
         if plan.__class__ is not _Plan or getattr(req_status, "partial_tail_boundary", None) is not None:
-            _stats["unchecked"] += 1
+            if plan.__class__ is not _Plan:
+                _skip(cs, names.CHECK_LOAD_COVERAGE, "", plan.reason, str(plan))
+            else:
+                _skip(cs, names.CHECK_LOAD_COVERAGE, "", names.SKIP_PARTIAL_TAIL,
+                      "a partial-tail hit loads a boundary key, not a chunk of load_coverage")
             return answer
         _stats["evaluated"] += 1
         num_cached = num_computed_tokens + hit
         dict_attr = plan.dict_attr
         get = getattr(plan.policy, dict_attr).get if dict_attr is not None else plan.policy.get
-        for (tpb, bpc, tpc, retained), state in zip(plan.fast, req_status.group_states):
-            # load_chunk_bounds(tpb, bpc, retained, num_computed_tokens, num_cached), inline
+        for (tpb, bpc, tpc, kept), state in zip(plan.fast, req_status.group_states):
+            # load_chunk_bounds(tpb, bpc, kept, num_computed_tokens, num_cached), inline
             start = num_computed_tokens // tpb  # first GPU block that is not a local hit
-            if retained is not None:
-                skipped = (num_cached - retained + 1) // tpb  # null blocks of the window
+            if kept is not None:
+                skipped = (num_cached - kept) // tpb  # null blocks of a window / Mamba group
                 if skipped > start:
                     start = skipped
             if start * tpb >= num_cached:  # start >= cdiv(num_cached, tpb): no pending block
@@ -551,7 +627,7 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
             if stop > len(keys):
                 break
             first = start // bpc
-            if retained is None and stop - first > 2 and not _FULL:
+            if kept is None and stop - first > 2 and not _FULL:
                 # full attention: vLLM's lookup is a maximal run of HIT chunks from
                 # num_computed_tokens // tokens_per_chunk (0.21-0.33), so the interior of
                 # this range was just confirmed; the ends are where a hit could reach past
@@ -712,13 +788,16 @@ def _primary_capacity(primary: Any) -> int:
                     if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
                         return capacity
         break  # the constructor that sizes the policy was found: nothing further up does
-    raise Unsupported(f"cannot read the capacity of the primary tier {type(primary).__qualname__}")
+    raise Unsupported(names.SKIP_OFFLOAD_MANAGER, f"cannot read the capacity of the primary tier {type(primary).__qualname__}")
 
 
 def _tiering_of(cs: Any) -> _Tiering | None:
     """The connector scheduler's :class:`_Tiering`, None without vLLM's tiering (cached on
-    ``cs``). A tiering manager whose CPU tier capacity cannot be read counts
-    ``kvguard_guard_errors_total{stage="admission"}`` once and gets no promotion-fit check."""
+    ``cs``). A tiering manager whose CPU tier capacity cannot be read gets no promotion-fit
+    or promotion-progress check: counted once, as ``kvguard_check_skipped_total{check=
+    "promotion_fit", reason="offload_manager"}`` (its deferred lookups are then not
+    recorded, so they cannot be counted one by one); any other exception here counts
+    ``kvguard_guard_errors_total{stage="admission"}``."""
     tiering = None
     try:
         manager = getattr(cs, "manager", None)
@@ -726,6 +805,11 @@ def _tiering_of(cs: Any) -> _Tiering | None:
         tiers = getattr(manager, "secondary_tiers", None)
         if primary is not None and isinstance(tiers, (list, tuple)) and tiers and callable(getattr(manager, "lookup", None)):
             tiering = _Tiering(manager, primary, _primary_capacity(primary))
+    except Unsupported as why:
+        # the deferred lookups of this scheduler are then not recorded, so they cannot be
+        # counted one by one: counted once here
+        _skip(cs, names.CHECK_PROMOTION_FIT, _PF, why.reason, str(why))
+        tiering = None
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         tiering = None
@@ -809,8 +893,11 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
     tiering = cs.__dict__.get(_TIERING_ATTR)
     plan = _get_plan(cs)
     if plan.__class__ is not _Plan or tiering is None:  # _get_plan gives Unsupported, never None
-        with _lock:
-            _bump(_PF + "unchecked")
+        if plan.__class__ is not _Plan:
+            _skip(cs, names.CHECK_PROMOTION_FIT, _PF, plan.reason, str(plan))
+        else:
+            with _lock:
+                _bump(_PF + "unchecked")
         return answer
     if _promotion_fit:
         with _lock:

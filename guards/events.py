@@ -40,6 +40,7 @@ __all__ = [
     "uninstalled",
     "hit_reduced",
     "vllm_unmeasured",
+    "check_skipped",
     "capture",
 ]
 
@@ -219,3 +220,10 @@ def vllm_unmeasured(**fields: Any) -> None:
     vllm_version, vllm_support, relation (``newer`` / ``older`` / ``unlisted``),
     measured_range, reason. kvguard installed anyway; logged once per process and version."""
     _emit("warning", names.EVENT_VLLM_UNMEASURED, fields)
+
+
+def check_skipped(**fields: Any) -> None:
+    """A check is skipped on a connector scheduler (issue 20 item 5), once per scheduler,
+    check and reason: check, reason (:data:`kvguard.guards.names.SKIP_REASONS`), detail
+    (what kvguard could not model or read, e.g. the group kind); vLLM's answers pass through."""
+    _emit("warning", names.EVENT_CHECK_SKIPPED, fields)

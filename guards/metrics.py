@@ -32,6 +32,7 @@ metric                                                     type       labels
 ``kvguard_site_installed``  (multiprocess_mode ``max``)    gauge      ``site``
 ``kvguard_engine_fatal_total``                             counter    ``exception``
 ``kvguard_recomputed_tokens_total``                        counter    ``check``
+``kvguard_check_skipped_total``                            counter    ``check``, ``reason``
 =========================================================  =========  ==========================
 """
 
@@ -65,6 +66,10 @@ _HELP = {
     names.METRIC_ENGINE_FATAL: "Fatal EngineCore exceptions recorded by kvguard, by exception type.",
     names.METRIC_RECOMPUTED_TOKENS: (
         "Tokens vLLM recomputes instead of loading because kvguard reduced a cache hit, by check."
+    ),
+    names.METRIC_CHECK_SKIPPED: (
+        "Lookups a check did not evaluate because kvguard cannot model or read what they involve, "
+        "by check and reason; vLLM's answer passed through."
     ),
 }
 
@@ -176,6 +181,7 @@ class _RegistryBackend:
             n.METRIC_GUARD_ERRORS: counter(n.METRIC_GUARD_ERRORS, (n.LABEL_STAGE,)),
             n.METRIC_ENGINE_FATAL: counter(n.METRIC_ENGINE_FATAL, (n.LABEL_EXCEPTION,)),
             n.METRIC_RECOMPUTED_TOKENS: counter(n.METRIC_RECOMPUTED_TOKENS, (n.LABEL_CHECK,)),
+            n.METRIC_CHECK_SKIPPED: counter(n.METRIC_CHECK_SKIPPED, (n.LABEL_CHECK, n.LABEL_REASON)),
             n.METRIC_SITE_INSTALLED: Gauge(
                 n.METRIC_SITE_INSTALLED, _HELP[n.METRIC_SITE_INSTALLED], (n.LABEL_SITE,),
                 registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
@@ -230,6 +236,9 @@ class GuardMetrics:
             self._b.counter(n.METRIC_GUARD_ERRORS, {n.LABEL_STAGE: stage}, 0)
         for check in n.RECOMPUTE_CHECKS:
             self._b.counter(n.METRIC_RECOMPUTED_TOKENS, {n.LABEL_CHECK: check}, 0)
+        for check in n.SKIPPABLE_CHECKS:
+            for reason in n.SKIP_REASONS:
+                self._b.counter(n.METRIC_CHECK_SKIPPED, {n.LABEL_CHECK: check, n.LABEL_REASON: reason}, 0)
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
     def evaluations(self, check: str, amount: int) -> None:
@@ -263,6 +272,15 @@ class GuardMetrics:
         if amount < 0:
             raise ValueError("recomputed tokens must be >= 0")
         self._b.counter(names.METRIC_RECOMPUTED_TOKENS, {names.LABEL_CHECK: check}, amount)
+
+    def check_skipped(self, check: str, reason: str) -> None:
+        """Count one evaluation of ``check`` skipped for ``reason`` (kvguard cannot model or
+        read what it involves; not a guard error); ValueError for a check outside
+        :data:`~kvguard.guards.names.SKIPPABLE_CHECKS` or a reason outside
+        :data:`~kvguard.guards.names.SKIP_REASONS`."""
+        _validate(check, names.SKIPPABLE_CHECKS, "check")
+        _validate(reason, names.SKIP_REASONS, "reason")
+        self._b.counter(names.METRIC_CHECK_SKIPPED, {names.LABEL_CHECK: check, names.LABEL_REASON: reason}, 1)
 
     def swa_ratio(self, ratio: float) -> None:
         """Observe pending SWA GPU blocks / exact bound (dimensionless)."""

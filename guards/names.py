@@ -309,3 +309,25 @@ SIDECAR_SOURCE_REASONS: dict[str, tuple[str, ...]] = {
     SOURCE_STATE_DIR: (REASON_UNEXPECTED,),
     SOURCE_POLLER: (REASON_UNEXPECTED,),
 }
+
+# --- checks skipped: what kvguard cannot model or read (issue 20 item 5; kvguard.guards.admission) ---
+#: Evaluations a check did not make because kvguard cannot model or read what they
+#: involve, by ``check`` and ``reason``; vLLM's answer passes through. Not a guard error:
+#: ``kvguard_guard_errors_total`` counts only failures of kvguard's own code.
+METRIC_CHECK_SKIPPED = "kvguard_check_skipped_total"
+#: A KV cache group whose spec kind ``kvguard.guards.load_coverage`` does not model
+#: (e.g. ``ChunkedLocalAttentionSpec``); full attention, sliding window and Mamba are modelled.
+SKIP_GROUP_KIND = "group_kind"
+#: The offload manager (or its CPU tier) has no cache policy kvguard can read without side
+#: effects: a custom ``OffloadingManager``, or a release whose policy ``get`` is not a plain dict read.
+SKIP_OFFLOAD_MANAGER = "offload_manager"
+#: The connector scheduler's config lacks what the check reads (``kv_group_configs``,
+#: ``blocks_per_chunk``, a group's ``tokens_per_block`` or KV cache spec).
+SKIP_CONNECTOR_CONFIG = "connector_config"
+#: A partial-tail hit (vLLM 0.33+, ``partial_tail_boundary`` set): its boundary key is not a chunk.
+SKIP_PARTIAL_TAIL = "partial_tail"
+SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CONNECTOR_CONFIG, SKIP_PARTIAL_TAIL)
+#: The checks that count ``kvguard_check_skipped_total`` (the admission checks of a lookup).
+SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT)
+EVENT_CHECK_SKIPPED = "check_skipped"
+KEY_DETAIL = "detail"

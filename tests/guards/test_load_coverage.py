@@ -2,8 +2,11 @@
 
 The brute-force model walks every GPU block of the hit, as ``update_state_after_alloc``
 does: a block is a local prefix-cache block when all its tokens are locally computed,
-a null block (sliding window) when all its tokens are skipped, and otherwise pending;
-the load reads the chunk of every block from the first pending one to the hit's end.
+a null block when all its tokens are skipped (the tokens the group's vLLM manager skips
+at the hit's end: ``SlidingWindowManager.get_num_skipped_tokens`` for a window,
+``MambaManager.get_num_skipped_tokens``, ``n - 1``, for a Mamba group, none for full
+attention), and otherwise pending; the load reads the chunk of every block from the
+first pending one to the hit's end.
 The comparison with vLLM's real KV cache manager is tests/vllm/test_load_coverage_vllm.py.
 """
 
@@ -18,12 +21,17 @@ from kvguard.guards.invariants import cdiv, swa_pending_blocks
 from kvguard.guards.load_coverage import GroupGeometry, load_chunks, load_set, longest_loadable_hit
 
 
-def brute_chunks(tpb: int, bpc: int, sw: int | None, extra: int, local: int, end: int) -> list[int]:
+def brute_chunks(
+    tpb: int, bpc: int, sw: int | None, extra: int, local: int, end: int, recurrent: bool = False
+) -> list[int]:
     first_pending = None
     for b in range(cdiv(end, tpb)):
         block_tokens = range(b * tpb, min((b + 1) * tpb, end))
         is_local = (b + 1) * tpb <= local
-        skipped = max(0, end - sw + 1 - extra) if sw is not None else 0
+        if recurrent:  # MambaManager keeps the state of the last computed token only
+            skipped = end - 1
+        else:
+            skipped = max(0, end - sw + 1 - extra) if sw is not None else 0
         is_null = all(t < skipped for t in range(b * tpb, (b + 1) * tpb))
         if not is_local and not is_null and len(block_tokens):
             first_pending = b
@@ -55,6 +63,34 @@ def test_load_chunks_equals_the_block_walk(tpb, bpc, sw, extra):
             assert got == brute_chunks(tpb, bpc, sw, extra, local, end), (local, end)
 
 
+MAMBA_GRID = list(itertools.product((1, 2, 4, 16), (1, 2, 4)))  # tokens_per_block, blocks_per_chunk
+
+
+@pytest.mark.parametrize("tpb,bpc", MAMBA_GRID)
+def test_mamba_load_chunks_equal_the_block_walk(tpb, bpc):
+    """A Mamba group's load set is one chunk, the one holding token ``end - 1`` (the state at
+    the hit's end), whatever the local hit: exactly the block walk with vLLM's Mamba skip."""
+    group = GroupGeometry(tpb, bpc, recurrent_state=True)
+    assert group.kept_tokens == 1
+    for local_blocks in range(0, 6):
+        local = local_blocks * tpb
+        for end in range(local + 1, local + 5 * group.tokens_per_chunk + 3):
+            got = list(load_chunks(group, local, end))
+            assert got == brute_chunks(tpb, bpc, None, 0, local, end, recurrent=True), (local, end)
+            assert got == [(end - 1) // group.tokens_per_chunk], (local, end)
+        assert list(load_chunks(group, local, local)) == []  # no hit: nothing pending
+
+
+def test_mamba_load_set_examples():
+    # 16-token GPU blocks, 64-token chunks; a hybrid of full attention and Mamba
+    full, mamba = GroupGeometry(16, 4), GroupGeometry(16, 4, recurrent_state=True)
+    assert load_set([full, mamba], 0, 1279) == [range(0, 20), range(19, 20)]
+    assert load_set([full, mamba], 320, 512) == [range(5, 8), range(7, 8)]
+    assert load_set([full, mamba], 320, 513) == [range(5, 9), range(8, 9)]  # one token into chunk 8
+    # the Mamba chunk is read although the full-attention group starts later: 1 chunk each
+    assert load_set([full, mamba], 448, 449) == [range(7, 8), range(7, 8)]
+
+
 def test_seed_48959_load_set():
     # num_cached_tokens 98012, window 4096, GPU block 32, chunk 256: the sliding-window
     # group fills GPU blocks 2934..3062 (129 blocks), i.e. chunks 366..382.
@@ -78,6 +114,10 @@ def test_invalid_arguments_raise():
         GroupGeometry(0, 1)
     with pytest.raises(ValueError):
         GroupGeometry(16, 1, 0)
+    with pytest.raises(ValueError):
+        GroupGeometry(16, 1, 32, recurrent_state=True)  # a window and a recurrent state
+    with pytest.raises(ValueError):
+        GroupGeometry(16, 1, None, 2, recurrent_state=True)
     with pytest.raises(ValueError):
         load_chunks(GroupGeometry(16, 1), 32, 16)
 
@@ -103,10 +143,12 @@ def test_longest_loadable_hit_matches_exhaustive_search():
         tpb = rng.choice((1, 4, 16))
         bpc = rng.choice((1, 2, 4))
         groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, rng.choice((3, tpb * bpc, 2 * tpb * bpc + 1)))]
+        if rng.random() < 0.5:
+            groups.append(GroupGeometry(tpb, bpc, recurrent_state=True))  # a Mamba group
         tpc = tpb * bpc
         local = rng.randrange(0, 4) * tpb
         end = local + rng.randrange(1, 12 * tpc)
-        missing = {(rng.randrange(2), rng.randrange(0, cdiv(end, tpc))) for _ in range(rng.randrange(0, 4))}
+        missing = {(rng.randrange(len(groups)), rng.randrange(0, cdiv(end, tpc))) for _ in range(rng.randrange(0, 4))}
         got = longest_loadable_hit(groups, local, end, lambda g, c: (g, c) not in missing)
         assert got == _brute_longest(groups, local, end, missing), (tpb, bpc, local, end, missing)
 
@@ -222,6 +264,16 @@ class SlidingWindowSpec:
         self.extra_retained_tokens = extra_retained_tokens
 
 
+class MambaSpec:
+    """Named as vLLM's recurrent-state spec (a Mamba group)."""
+
+
+class ChunkedLocalAttentionSpec:
+    """A kind load_coverage does not model (vLLM's chunked local attention)."""
+
+    attention_chunk_size = 8
+
+
 class _SpyDict(dict):
     """A policy's dict that records every key the check reads."""
 
@@ -255,9 +307,9 @@ class _Obj:
         self.__dict__.update(kw)
 
 
-def _stand_in_scheduler(tpb: int, bpc: int, sw: int, extra: int, chunks: int, missing=()):
-    specs = [FullAttentionSpec(), SlidingWindowSpec(sw, extra)]
-    keys = [[(g, c) for c in range(chunks)] for g in range(2)]
+def _stand_in_scheduler(tpb: int, bpc: int, sw: int, extra: int, chunks: int, missing=(), specs=None):
+    specs = specs if specs is not None else [FullAttentionSpec(), SlidingWindowSpec(sw, extra)]
+    keys = [[(g, c) for c in range(chunks)] for g in range(len(specs))]
     entries = {k: _RefCntEntry(0) for group in keys for k in group if k not in missing}
     config = _Obj(
         blocks_per_chunk=bpc,
@@ -295,6 +347,137 @@ def test_admit_reads_the_load_set(tpb, bpc, sw, extra):
             assert set(spy.read) == want, (local, end)
             checked += 1
     assert checked >= chunks * (chunks + 1) // 2
+
+
+@pytest.mark.parametrize("tpb,bpc", [(1, 1), (1, 4), (4, 2), (16, 1), (16, 4)])
+def test_admit_reads_the_chunk_of_a_mamba_group(tpb, bpc):
+    """A hybrid of full attention, a sliding window and a Mamba group: for every hit of a
+    grid ``admit`` reads, of the Mamba group, exactly the chunk :func:`load_chunks` gives
+    (the one holding the hit's last token), beside the other groups' keys; the answer
+    passes through as the same object and every lookup is evaluated (none skipped)."""
+    from kvguard.guards import admission
+
+    sw = 3 * tpb + 1
+    specs = [FullAttentionSpec(), SlidingWindowSpec(sw), MambaSpec()]
+    groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, sw), GroupGeometry(tpb, bpc, recurrent_state=True)]
+    tpc = tpb * bpc
+    chunks = 5
+    cs = _stand_in_scheduler(tpb, bpc, sw, 0, chunks, specs=specs)
+    spy = cs.manager._policy.chunks
+    request = _Obj(request_id="r")
+    admission.reset()
+    checked = 0
+    for local in range(0, chunks * tpc, tpb):
+        for end in range(local + 1, chunks * tpc + 1):
+            spy.read.clear()
+            answer = (end - local, True)
+            assert admission.admit(cs, request, local, answer) is answer
+            assert {c for g, c in spy.read if g == 2} == {(end - 1) // tpc}, (local, end)
+            want = set()
+            for g, rng in enumerate(load_set(groups, local, end)):
+                if g == 0 and len(rng) > 2:
+                    rng = (rng[0], rng[-1])
+                want |= {(g, c) for c in rng}
+            assert set(spy.read) == want, (local, end)
+            checked += 1
+    snap = admission.snapshot()
+    assert snap["evaluated"] == checked and snap["unchecked"] == 0 and snap["violations"] == 0
+    admission.reset()
+
+
+def test_admit_reduces_a_hit_whose_mamba_chunk_is_missing():
+    """The chunk holding the Mamba state at the hit's end is missing: the hit is cut to the
+    longest one whose load set is loadable, here the previous chunk boundary (its Mamba
+    chunk, the one before, is present)."""
+    from kvguard.guards import admission
+
+    tpb, bpc = 4, 2  # 8-token chunks
+    specs = [FullAttentionSpec(), MambaSpec()]
+    groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, recurrent_state=True)]
+    cs = _stand_in_scheduler(tpb, bpc, 0, 0, 8, missing={(1, 4)}, specs=specs)
+    admission.reset()
+    out = admission.admit(cs, _Obj(request_id="r"), 0, (37, True))  # ends in chunk 4
+    want = longest_loadable_hit(groups, 0, 37, lambda g, c: (g, c) != (1, 4))
+    assert want == 32 and out == (32, True)
+    snap = admission.snapshot()
+    assert snap["hit_reduced"] == 1 and snap["recomputed_tokens"] == 5
+    answer = (32, True)  # ends in chunk 3: its Mamba chunk is there
+    assert admission.admit(cs, _Obj(request_id="r"), 0, answer) is answer
+    admission.reset()
+
+
+class _MetricsSpy:
+    """The metrics sink's skipped/guard-error calls, recorded."""
+
+    def __init__(self):
+        self.skipped: list[tuple[str, str]] = []
+
+    def check_skipped(self, check, reason):
+        from kvguard.guards import names
+
+        assert check in names.SKIPPABLE_CHECKS and reason in names.SKIP_REASONS
+        self.skipped.append((check, reason))
+
+
+def _skip_case(kind: str):
+    """A stand-in scheduler the check cannot evaluate, for ``kind``'s reason."""
+    if kind == "group_kind":
+        return _stand_in_scheduler(4, 2, 0, 0, 4, specs=[FullAttentionSpec(), ChunkedLocalAttentionSpec()])
+    cs = _stand_in_scheduler(4, 2, 9, 0, 4)
+    if kind == "offload_manager":
+        cs.manager = _Obj(lookup=lambda key, ctx: None)  # a manager with no readable cache policy
+    elif kind == "connector_config":
+        del cs.config.blocks_per_chunk
+    elif kind == "partial_tail":
+        cs._req_status["r"].partial_tail_boundary = 13
+    return cs
+
+
+@pytest.mark.parametrize("reason", ["group_kind", "offload_manager", "connector_config", "partial_tail"])
+def test_what_cannot_be_modelled_is_skipped_not_a_guard_error(reason):
+    """Every lookup with a hit that the check cannot evaluate passes vLLM's answer through
+    (the same object), counts ``kvguard_check_skipped_total{check="load_coverage", reason}``
+    and no guard error; the ``check_skipped`` event comes once per scheduler and reason."""
+    from kvguard.guards import admission, events, runtime
+
+    cs = _skip_case(reason)
+    spy = _MetricsSpy()
+    admission.reset()
+    runtime.reset()
+    admission.configure(metrics=spy, events=events)
+    try:
+        with events.capture() as logged:
+            for _ in range(3):
+                answer = (13, True)
+                assert admission.admit(cs, _Obj(request_id="r"), 0, answer) is answer
+    finally:
+        admission.unconfigure()
+    assert spy.skipped == [("load_coverage", reason)] * 3
+    assert admission.snapshot_skipped() == {("load_coverage", reason): 3}
+    assert admission.snapshot()["unchecked"] == 3 and admission.snapshot()["evaluated"] == 0
+    assert runtime.guard_errors() == {}
+    skipped = [e for e in logged if e["event"] == "check_skipped"]
+    assert len(skipped) == 1 and skipped[0]["check"] == "load_coverage" and skipped[0]["reason"] == reason
+    if reason == "group_kind":
+        assert "ChunkedLocalAttentionSpec" in skipped[0]["detail"]
+    admission.reset()
+
+
+def test_an_exception_inside_the_check_is_still_a_guard_error():
+    """Only kvguard's own failures are guard errors: a group state without offload keys
+    (an exception inside the check) counts ``stage="admission"`` and passes the answer on."""
+    from kvguard.guards import admission, runtime
+
+    cs = _stand_in_scheduler(4, 2, 9, 0, 4)
+    cs._req_status["r"].group_states = (_Obj(), _Obj())
+    runtime.reset()
+    admission.reset()
+    answer = (13, True)
+    assert admission.admit(cs, _Obj(request_id="r"), 0, answer) is answer
+    assert runtime.guard_errors() == {"admission": 1}
+    assert admission.snapshot_skipped() == {}
+    runtime.reset()
+    admission.reset()
 
 
 def test_admit_reduces_a_hit_whose_window_chunk_is_missing():

@@ -67,6 +67,23 @@ def test_every_closed_label_child_exists_at_zero(tmp_path):
             ) == 0
     for stage in names.STAGES:
         assert r.get_sample_value("kvguard_guard_errors_total", {"stage": stage}) == 0
+    for check in names.SKIPPABLE_CHECKS:
+        for reason in names.SKIP_REASONS:
+            assert r.get_sample_value("kvguard_check_skipped_total", {"check": check, "reason": reason}) == 0
+
+
+def test_a_skipped_check_is_counted_by_check_and_reason(tmp_path):
+    m = GuardMetrics(state_dir=tmp_path)
+    m.check_skipped("load_coverage", "group_kind")
+    m.check_skipped("load_coverage", "group_kind")
+    m.check_skipped("promotion_fit", "offload_manager")
+    r = scrape(tmp_path / "metrics")
+    assert r.get_sample_value("kvguard_check_skipped_total", {"check": "load_coverage", "reason": "group_kind"}) == 2
+    assert r.get_sample_value(
+        "kvguard_check_skipped_total", {"check": "promotion_fit", "reason": "offload_manager"}
+    ) == 1
+    assert r.get_sample_value("kvguard_check_skipped_total", {"check": "load_coverage", "reason": "partial_tail"}) == 0
+    assert r.get_sample_value("kvguard_guard_errors_total", {"stage": "admission"}) == 0  # a skip is not an error
 
 
 def test_two_processes_are_summed_and_the_child_starts_from_zero(tmp_path):
@@ -113,6 +130,8 @@ def test_get_metrics_is_one_instance_per_target(tmp_path):
         lambda m: m.violation("swa_pending_bound", "ignored"),
         lambda m: m.guard_error("nowhere"),
         lambda m: m.site_installed("no:such:site", True),
+        lambda m: m.check_skipped("load_coverage", "some text"),
+        lambda m: m.check_skipped("swa_pending_bound", "group_kind"),
     ],
 )
 def test_unknown_label_values_raise(registry, call):
