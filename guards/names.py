@@ -229,6 +229,17 @@ CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
 #: need not end (0.33.0's request-ranked LRU; vllm#49902 / PR #50014 pin promoted chunks).
 CHECK_PROMOTION_PROGRESS = "promotion_progress"
 CHECKS = CHECKS + (CHECK_PROMOTION_PROGRESS,)
+# --- store coverage of an offload store (issue 22; kvguard.guards.store_coverage) -------
+#: Every GPU block of a chunk a store publishes is copied into that chunk's place, except
+#: blocks the request's KV cache manager skipped (below its window): else the chunk is
+#: published without its KV and a later hit loads wrong KV. Evaluated once per store job
+#: (where vLLM's store builder constructs the store's ``GPULoadStoreSpec``); under
+#: ``guard`` the store is dropped and its keys released (action ``store_dropped``).
+CHECK_STORE_COVERAGE = "store_coverage"
+CHECKS = CHECKS + (CHECK_STORE_COVERAGE,)
+EVALUATED_CHECKS = EVALUATED_CHECKS | {CHECK_STORE_COVERAGE}
+#: ``KVGUARD_DISABLED_SITES`` entry that switches the store coverage check off.
+STORE_COVERAGE_SITE_ID = "store:store_coverage"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS)
 KEY_LOST_READY_CHUNKS = "lost_ready_chunks"

@@ -38,6 +38,9 @@ clash with vLLM's (pytest uses ``@py_assert``):
 
     try:
         src_spec = GPULoadStoreSpec(...)           # the original statement, untouched
+        @kvguard_exc = @kvguard_check_store(<site_id>, src_spec, @kvguard_locals())
+        if @kvguard_exc is not None:               # store coverage (issue 22)
+            raise @kvguard_exc
     except @kvguard_StoreDropped:
         @kvguard_drop_store(<site_id>, @kvguard_locals())
         continue
@@ -80,6 +83,7 @@ __all__ = [
     "GLOBAL_DROP_STORE",
     "GLOBAL_REQUEST_FAILED",
     "GLOBAL_FAIL_REQUEST",
+    "GLOBAL_CHECK_STORE",
     "SiteSpec",
     "SiteRewriter",
     "normalize_assert",
@@ -103,6 +107,7 @@ GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
 GLOBAL_DROP_STORE = "@kvguard_drop_store"
 GLOBAL_REQUEST_FAILED = "@kvguard_RequestFailed"
 GLOBAL_FAIL_REQUEST = "@kvguard_fail_request"
+GLOBAL_CHECK_STORE = "@kvguard_check_store"
 _LOCAL_OK = "@kvguard_ok"
 _LOCAL_EXC = "@kvguard_exc"
 #: Every global name rewritten code may read (the instrumentor injects exactly these).
@@ -113,6 +118,7 @@ INJECTED_GLOBALS: tuple[str, ...] = (
     GLOBAL_DROP_STORE,
     GLOBAL_REQUEST_FAILED,
     GLOBAL_FAIL_REQUEST,
+    GLOBAL_CHECK_STORE,
 )
 
 
@@ -336,11 +342,15 @@ class SiteRewriter(ast.NodeTransformer):
         if spec is None or self._loop_depth == 0:
             return node
         self.found.add(spec.site_id)
-        return self._store_drop_try(node, spec)
+        return self._store_drop_try(node, spec, coverage=_store_coverage_check(node, spec))
 
-    def _store_drop_try(self, node: ast.stmt, spec: SiteSpec, epilogue: list[ast.stmt] | None = None) -> ast.stmt:
-        """``try: <node> except @kvguard_StoreDropped: drop_store(site, locals());
-        <epilogue>; continue`` (``epilogue``: see :func:`_skip_epilogue`)."""
+    def _store_drop_try(
+        self, node: ast.stmt, spec: SiteSpec, epilogue: list[ast.stmt] | None = None,
+        coverage: list[ast.stmt] | None = None,
+    ) -> ast.stmt:
+        """``try: <node>; <coverage> except @kvguard_StoreDropped: drop_store(site, locals());
+        <epilogue>; continue`` (``epilogue``: see :func:`_skip_epilogue`; ``coverage``: the
+        store coverage check of the spec ``node`` built, :func:`_store_coverage_check`)."""
         handler = ast.ExceptHandler(
             type=_gen(_name(GLOBAL_STORE_DROPPED)),
             name=None,
@@ -364,7 +374,7 @@ class SiteRewriter(ast.NodeTransformer):
             ],
         )
         _gen(handler)
-        new = _gen(ast.Try(body=[node], handlers=[handler], orelse=[], finalbody=[]))
+        new = _gen(ast.Try(body=[node, *(coverage or [])], handlers=[handler], orelse=[], finalbody=[]))
         _locate(new, node)
         return new
 
@@ -429,6 +439,41 @@ class SiteRewriter(ast.NodeTransformer):
         guard = _gen(ast.If(test=_gen(_name("__debug__")), body=body, orelse=[]))
         _locate(guard, node)
         return [guard]  # type: ignore[list-item]
+
+
+def _store_coverage_check(node: ast.Assign, spec: SiteSpec) -> list[ast.stmt]:
+    """After the store drop site's ``<name> = GPULoadStoreSpec(...)``: the store coverage
+    check of the spec just built (issue 22, :mod:`kvguard.guards.store_coverage`)::
+
+        @kvguard_exc = @kvguard_check_store(<site_id>, <name>, @kvguard_locals())
+        if @kvguard_exc is not None:
+            raise @kvguard_exc
+
+    inside the same ``try``, so a ``StoreDropped`` it returns (policy ``guard``) drops the
+    store as a failed spec does. Empty when the assignment's target is not a plain name."""
+    if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+        return []
+    call = _gen(
+        ast.Call(
+            func=_gen(_name(GLOBAL_CHECK_STORE)),
+            args=[
+                _gen(ast.Constant(spec.site_id)),
+                _gen(_name(node.targets[0].id)),
+                _gen(ast.Call(func=_gen(_name(GLOBAL_LOCALS)), args=[], keywords=[])),
+            ],
+            keywords=[],
+        )
+    )
+    assign = _gen(ast.Assign(targets=[_gen(_name(_LOCAL_EXC, ast.Store()))], value=call))
+    raise_if = _gen(
+        ast.If(
+            test=_gen(ast.Compare(left=_gen(_name(_LOCAL_EXC)), ops=[_gen(ast.IsNot())],
+                                  comparators=[_gen(ast.Constant(None))])),
+            body=[_gen(ast.Raise(exc=_gen(_name(_LOCAL_EXC)), cause=None))],
+            orelse=[],
+        )
+    )
+    return [assign, raise_if]
 
 
 def _skip_epilogue(later: list[ast.stmt]) -> list[ast.stmt]:

@@ -527,6 +527,104 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
     return result
 
 
+#: ``KVGUARD_DISABLED_SITES`` holds ``store:store_coverage`` (set at install): no store
+#: coverage check (:func:`check_store` returns at once).
+store_coverage_disabled = False
+#: the check whose violation made :func:`check_store` return a StoreDropped; the
+#: rewritten handler then calls :func:`drop_store`, which names it (one thread: EngineCore's)
+_drop_check: str | None = None
+
+
+def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseException | None:
+    """The store coverage check (issue 22, :mod:`kvguard.guards.store_coverage`) of the
+    ``GPULoadStoreSpec`` the store builder just built; returns the exception to raise, or None.
+
+    ``spec``: the spec (``block_ids``, ``group_sizes``, ``block_indices``: GPU block ids
+    and counts per KV cache group); ``context``: the builder's ``locals()`` (``self``, the
+    connector scheduler; ``req_status``, whose ``group_states[g].block_ids`` is the
+    connector's copy of the request's block table and ``req`` the request). Evaluated once
+    per store job (``kvguard_check_evaluations_total{check="store_coverage"}``). On a
+    violation: ``observe`` counts it (``continued``) and the store goes on; ``guard``
+    returns :class:`StoreDropped` (the rewritten handler releases the store's keys and
+    skips it: the chunks are not published, a later request recomputes them); ``strict``
+    returns an ``AssertionError``. Never raises: an internal error counts
+    ``kvguard_guard_errors_total{stage="check"}`` and the store goes on as vLLM built it.
+    """
+    global _drop_check
+    if store_coverage_disabled or _suppress_depth:
+        return None
+    try:
+        from kvguard.guards.admission import Unsupported
+
+        try:
+            problems = _store_problems(spec, context)
+        except Unsupported:  # a group kind or config kvguard cannot read: not checked
+            return None
+        _count_eval(names.CHECK_STORE_COVERAGE)
+        if not problems:
+            return None
+        if _policy == names.POLICY_GUARD:
+            action, exc = names.ACTION_STORE_DROPPED, StoreDropped("; ".join(problems))
+            _drop_check = names.CHECK_STORE_COVERAGE
+        elif _policy == names.POLICY_STRICT:
+            action, exc = names.ACTION_RAISED, AssertionError("store coverage: " + "; ".join(problems))
+        else:
+            action, exc = names.ACTION_CONTINUED, None
+        site = _SITE_RT.get(site_id)
+        if site is not None:
+            _count_violation(site, names.CHECK_STORE_COVERAGE, action)
+        _events.check_failed(
+            site=site_id,
+            check=names.CHECK_STORE_COVERAGE,
+            policy=_policy,
+            action=action,
+            vllm_version=_vllm_version,
+            request_id=_request_id(context),
+            blocks_per_chunk=_blocks_per_chunk(context),
+            context={},
+            message="; ".join(problems),
+        )
+        return exc
+    except Exception as error:  # guard code must never take the engine down
+        guard_error(names.STAGE_CHECK, error)
+        return None
+
+
+def _store_problems(spec: Any, context: dict[str, Any]) -> list[str]:
+    """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
+    (prefixed ``group <g>:``); groups with no block in this store are skipped."""
+    from kvguard.guards import admission
+    from kvguard.guards.store_coverage import GroupStore, group_store_problems
+
+    cs = context["self"]
+    req_status = context["req_status"]
+    geometries = cs.__dict__.get("_kvguard_store_geometry")
+    if geometries is None:
+        geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
+    num_tokens = int(req_status.req.num_tokens)
+    block_ids = list(spec.block_ids)
+    problems: list[str] = []
+    offset = 0
+    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
+        size = int(size)
+        copied = block_ids[offset : offset + size]
+        offset += size
+        if not size:
+            continue
+        geo = geometries[g]
+        found = group_store_problems(GroupStore(
+            table=req_status.group_states[g].block_ids,
+            copied=copied,
+            first_index=int(first),
+            tokens_per_block=geo.tokens_per_block,
+            blocks_per_chunk=geo.blocks_per_chunk,
+            kept_tokens=geo.kept_tokens,
+            num_tokens=num_tokens,
+        ))
+        problems.extend(f"group {g}: {p}" for p in found)
+    return problems
+
+
 def drop_store(site_id: str, context: dict[str, Any]) -> None:
     """Release a dropped store's keys so no later request waits on them (vLLM #42945).
 
@@ -540,9 +638,12 @@ def drop_store(site_id: str, context: dict[str, Any]) -> None:
     request (the request's store cursor did not move, so a live request retries next
     step). Never raises (errors count ``stage="store_drop"``).
     """
+    global _drop_check
     try:
         rt = _SITE_RT.get(site_id)
         check_name = rt.check if rt is not None else names.CHECK_GROUP_SIZES_CONSISTENCY
+        if _drop_check is not None:  # the store coverage check dropped it (check_store)
+            check_name, _drop_check = _drop_check, None
         released = 0
         if rt is None or rt.release_keys:
             scheduler = context["self"]

@@ -1,0 +1,133 @@
+"""Store coverage: a chunk an offload store publishes holds every block it stands for.
+
+The invariant (issue 22; checked by :func:`kvguard.guards.runtime.check_store` where vLLM's
+store builder constructs a store's ``GPULoadStoreSpec``): **every GPU block of a chunk that
+a store publishes is copied into that chunk's place, except blocks the request's KV cache
+manager has already skipped** (a sliding-window or Mamba group frees the blocks wholly
+below what it keeps, ``get_num_skipped_tokens``; those are null in vLLM's tables and nobody
+in the window reads them).
+
+Why (vLLM's own code, the same in 0.25.1-0.34.0): the store builder
+(``OffloadingConnectorScheduler._build_store_jobs``) walks each stored chunk's GPU blocks in
+the connector's own copy of the request's block table (``RequestGroupState.block_ids``)
+and skips every block id 0 ("a sliding window / SSM skip or a stale entry that was zeroed
+out"); the spec lists the rest of a group's blocks one after another from
+``block_indices[g]``, and the copy engine places the ``i``-th of them at sub-block
+``(skip + i) % blocks_per_chunk`` of the ``(skip + i) // blocks_per_chunk``-th CPU chunk,
+``skip = block_indices[g] % blocks_per_chunk`` (``transfer_async`` in
+``vllm/v1/kv_offload/cpu/gpu_worker.py``; ``iter_pointer_groups`` on 0.34.0). The store then
+marks each chunk's key stored. So a block id that is 0 although the request still holds
+that block's KV
+
+- at the start of the first stored chunk: the chunk is published with those sub-blocks
+  never written;
+- anywhere after a copied block: every later block of the group is copied one place too
+  early (the KV of one chunk lands in the next chunk's place).
+
+A later hit loads such a chunk into GPU blocks its attention reads: wrong KV, served
+silently. kvguard's fuzzer found the first kind on vLLM 0.29.0 (docs/fuzz.md, "The
+stale-block zeroing misfire"): since PR #42959 (the #42761 fix) the connector zeroes a
+sliding-window block id of a request when the same id appears among the step's newly
+allocated blocks, which it takes for "freed by the window and re-allocated"; but a GPU
+prefix-cache hit of another request in the same step lists the *shared* blocks among its
+new blocks too, so a block the request still holds is zeroed and left out of its chunk.
+
+Which zeros are legal is vLLM's skip rule, not a table: a block ``j`` of a group that
+keeps ``kept_tokens`` tokens (:attr:`kvguard.guards.load_coverage.GroupGeometry.kept_tokens`:
+``sliding_window - 1 + extra_retained_tokens`` for a window, 1 for Mamba, None for full
+attention, which skips nothing) may be null when it lies wholly below the skipped tokens
+of the request, ``(j + 1) * tokens_per_block <= num_tokens - kept_tokens``; ``num_tokens``
+is the request's token count (the most it can have skipped: the check never calls a
+legal skip a violation). Plain ints in, a list of problems out; stdlib only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["GroupStore", "group_store_problems"]
+
+
+@dataclass(frozen=True)
+class GroupStore:
+    """One KV cache group's part of a store, in the connector's terms.
+
+    ``table``: the connector's copy of the request's block ids for this group (0 = null);
+    ``copied``: the block ids the spec lists for this group, in order; ``first_index``:
+    the spec's ``block_indices`` entry (logical GPU block of the first copied block);
+    ``tokens_per_block``, ``blocks_per_chunk``: the group's geometry; ``kept_tokens``:
+    tokens the group keeps at the end of a request (None: full attention, nothing skipped);
+    ``num_tokens``: the request's tokens (the skipped tokens are ``num_tokens - kept_tokens``).
+    """
+
+    table: Sequence[int]
+    copied: Sequence[int]
+    first_index: int
+    tokens_per_block: int
+    blocks_per_chunk: int
+    kept_tokens: int | None
+    num_tokens: int
+
+
+def group_store_problems(g: GroupStore) -> list[str]:
+    """What would publish a chunk of this group without its KV; empty when the store is sound.
+
+    The copy engine puts copied block ``i`` at
+    sub-block ``(skip + i) % blocks_per_chunk`` of the ``(skip + i) // blocks_per_chunk``-th
+    stored chunk, ``skip = first_index % blocks_per_chunk``. Problems (GPU blocks):
+
+    - ``moved``: a run of copied blocks that the table does not hold, in order, at the
+      chunk place the copy engine puts them (a block left out after a copied one shifts
+      every later one into the wrong sub-block);
+    - ``left_out``: a logical block of the first stored chunk before ``first_index`` that the
+      request has not skipped (it holds live KV the published chunk lacks), or a last
+      stored chunk whose final sub-blocks get nothing.
+    """
+    bpc, tpb = g.blocks_per_chunk, g.tokens_per_block
+    if not g.copied:
+        return []
+    table = list(g.table)
+    copied = list(g.copied)
+    skip = g.first_index % bpc
+    problems: list[str] = []
+    # Walk the copied blocks chunk run by chunk run, as the copy engine places them: run r
+    # fills sub-blocks (skip if r == 0 else 0)..bpc-1 of the r-th stored chunk. The first
+    # run starts at first_index; a later run must be a whole chunk of the table, after the
+    # previous run, that holds exactly the run's ids in order (an id can also appear
+    # elsewhere in the table: a block the window freed and the allocator handed back,
+    # vLLM #42761, so each candidate chunk is matched whole).
+    k = 0
+    prev_end = g.first_index
+    while k < len(copied):
+        sub0 = skip if k == 0 else 0
+        run = copied[k : k + bpc - sub0]
+        if k == 0:
+            starts = [g.first_index] if table[g.first_index : g.first_index + len(run)] == run else []
+        else:
+            starts = [
+                c for c in range(-(-prev_end // bpc) * bpc, len(table), bpc)
+                if table[c : c + len(run)] == run
+            ]
+        if not starts:
+            at = table.index(run[0], prev_end) if run[0] in table[prev_end:] else None
+            problems.append(
+                f"moved: copied block {k} (id {run[0]}) goes to sub-block {sub0} of stored chunk "
+                f"{(skip + k) // bpc}, but the table holds it at {at}"
+            )
+            break
+        prev_end = starts[0] + len(run)
+        k += len(run)
+    skipped = 0 if g.kept_tokens is None else max(0, g.num_tokens - g.kept_tokens)
+    start = (g.first_index // bpc) * bpc
+    live = [j for j in range(start, g.first_index) if (j + 1) * tpb > skipped]
+    if live:
+        problems.append(
+            f"left_out: logical blocks {live[0]}..{live[-1]} of the first stored chunk hold live KV "
+            f"(skipped tokens {skipped}) and are not copied"
+        )
+    if (skip + len(copied)) % bpc:
+        problems.append(
+            f"left_out: the last stored chunk gets {(skip + len(copied)) % bpc} of its {bpc} sub-blocks"
+        )
+    return problems
