@@ -402,10 +402,11 @@ class Supervisor:
                 self._write_run("exited", result.code)
                 return result
             self._after_spawn()
-            try:
-                self.watch = PartWatch(root=os.getpid(), prefix=title_prefix(self._env()))
-            except Exception as e:  # pragma: no cover
-                log.warning("part_watch_failed", error=repr(e))
+            if self.config.watch_processes:
+                try:
+                    self.watch = PartWatch(root=os.getpid(), prefix=title_prefix(self._env()))
+                except Exception as e:  # pragma: no cover
+                    log.warning("part_watch_failed", error=repr(e))
             while self.child_status is None:
                 timeout = TICK
                 if self.kill_deadline is not None and not self.killed:

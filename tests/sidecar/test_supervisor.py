@@ -443,3 +443,16 @@ def test_a_child_that_titles_nothing_is_not_watched(kvguard_run, tmp_path):
     assert code == 3, out
     rec = json.loads((state / "run.json").read_text())
     assert (rec["parts"], rec["death"]) == ([], None)
+
+
+def test_no_watch_processes_leaves_a_dead_part_to_vllm(kvguard_run, tmp_path):
+    """``--no-watch-processes`` (a vLLM that survives a dead rank: --enable-fault-tolerance):
+    the child goes on after a titled process dies, and its own status decides."""
+    state, ready = tmp_path / "state", tmp_path / "ready"
+    # the part lives 1.5 s, three scans of the watch: with the watch on this is exit 70
+    script = (f"(exec -a VLLM::EngineCore_DP1 sleep 1.5); touch {ready}; sleep 0.5; exit 3")
+    run = kvguard_run(["--no-watch-processes", "--state-dir", str(state), "--", "bash", "-c", script])
+    code, out = run.wait()
+    assert ready.exists() and code == 3, out
+    rec = json.loads((state / "run.json").read_text())
+    assert (rec["parts"], rec["death"], rec["exit_status"]) == ([], None, 3)
