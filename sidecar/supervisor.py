@@ -254,7 +254,7 @@ class Supervisor:
             if watch.changed:
                 watch.changed = False
                 log.info("engine_processes", processes=[f"{p['name']}:{p['pid']}" for p in watch.listing()])
-                self._write_run("stopping" if self.stop_requested else "running")
+                self._write_run("running")
             return
         watch.changed = False
         self.part_death = death
