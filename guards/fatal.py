@@ -30,7 +30,9 @@ is never imported just for this), read from ``vllm/v1/engine/core.py`` of vLLM 0
   reject fails. ``run_engine_core`` itself cannot be wrapped: it is already running when
   EngineCore loads the plugin.
 
-The offload check site comes from :func:`kvguard.guards.runtime.last_failed_site` when the
+The record names the process by the title vLLM gave it (``process``: ``EngineCore_DP1``
+for ``VLLM::EngineCore_DP1``, :func:`kvguard.guards.statefile.own_process_name`), so a
+death in one of several ranks says which. The offload check site comes from :func:`kvguard.guards.runtime.last_failed_site` when the
 failure came from one. Every hook calls through to vLLM whatever happens here: a
 recording error is swallowed (and counted as ``kvguard_guard_errors_total{stage="fatal"}``
 where possible); the recorder never raises and never changes vLLM's exception.
@@ -48,7 +50,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.guards.statefile import FatalRecord, StateDir, own_process_name, write_fatal_record
 
 __all__ = ["install", "installed", "record_exception", "sweep_dead_processes", "uninstall"]
 
@@ -120,7 +122,7 @@ def record_exception(exc: BaseException, phase: str | None = None) -> Path | Non
         except Exception:
             site = None
         record = FatalRecord.from_exception(
-            exc, site=site, pid=pid, vllm_version=_vllm_version(), phase=phase
+            exc, site=site, pid=pid, vllm_version=_vllm_version(), phase=phase, process=own_process_name()
         )
         path = write_fatal_record(state, record)
         try:

@@ -34,7 +34,10 @@ A fatal record is one JSON object (UTF-8, at most :data:`MAX_RECORD_BYTES`)::
      "pid": int,              # the EngineCore process id
      "vllm_version": str,     # vLLM's __version__ ("unknown" when unavailable), at most
                               # MAX_LABEL_CHARS
-     "phase": str}            # optional: "startup" or "running"
+     "phase": str,            # optional: "startup" or "running"
+     "process": str}          # optional: the vLLM process name of the writer, as vLLM titled
+                              # it ("EngineCore_DP1" for "VLLM::EngineCore_DP1", process_name()):
+                              # a Python identifier of at most MAX_LABEL_CHARS
 
 The reader accepts exactly what the writer can write: ``exception`` and ``vllm_version``
 become Prometheus label values in the sidecar, so a record whose field is longer than the
@@ -60,7 +63,7 @@ import shutil
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -80,12 +83,17 @@ __all__ = [
     "MAX_LABEL_CHARS",
     "MAX_MESSAGE_CHARS",
     "MAX_RECORD_BYTES",
+    "MAX_RUN_PARTS",
     "FatalRecord",
     "KINDS",
     "RecordError",
     "exception_label",
     "os_error_reason",
     "parse_fatal_record",
+    "process_name",
+    "own_process_name",
+    "VLLM_TITLE_PREFIX",
+    "VLLM_TITLE_PREFIX_ENV",
     "StateDir",
     "file_kind",
     "StateFileError",
@@ -131,9 +139,18 @@ MAX_LABEL_CHARS = 100
 #: record "from tomorrow" (or 1e300) can no longer latch the engine ``dead`` as if it
 #: belonged to the current start.
 MAX_CLOCK_STEP = 60.0
+#: vLLM titles each of its processes ``<prefix>::<name>`` with setproctitle
+#: (``vllm.utils.system_utils.set_process_title``): ``VLLM::EngineCore_DP1``,
+#: ``VLLM::Worker_TP0``, ``VLLM::DPCoordinator``. The prefix is ``$VLLM_PROCESS_NAME_PREFIX``,
+#: ``VLLM`` by default (``vllm/envs.py``).
+VLLM_TITLE_PREFIX = "VLLM"
+VLLM_TITLE_PREFIX_ENV = "VLLM_PROCESS_NAME_PREFIX"
 #: ``run.json`` is a handful of fields.
 RUN_FILE = "run.json"
-MAX_RUN_BYTES = 4 * 1024
+MAX_RUN_BYTES = 64 * 1024
+#: ``run.json`` lists at most this many of vLLM's processes (``parts``; a DP 8 x TP 8 pod
+#: has 8 EngineCores, 64 workers and a coordinator).
+MAX_RUN_PARTS = 256
 #: Fatal records kept across ``kvguard run`` starts (the newest, by record time).
 FATAL_HISTORY = 16
 #: Multiprocess files kept across ``kvguard run`` starts (the newest, by mtime).
@@ -202,14 +219,17 @@ class FatalRecord:
     pid: int
     vllm_version: str = "unknown"
     phase: str | None = None
+    process: str | None = None
 
     def cause(self) -> str:
         """A one-line cause for a termination message, e.g.
-        ``engine fatal: AssertionError: ... (site=swa_pending_bound, pid=123)``."""
+        ``engine fatal: AssertionError: ... (site=swa_pending_bound, pid=123)``; with the
+        writer's vLLM process name: ``(..., pid=123, process=EngineCore_DP1)``."""
         msg = " ".join(self.message.split())
         where = f"site={self.site}, " if self.site else ""
         phase = f" during {self.phase}" if self.phase else ""
-        return f"engine fatal{phase}: {self.exception}: {msg} ({where}pid={self.pid})"
+        proc = f", process={self.process}" if self.process else ""
+        return f"engine fatal{phase}: {self.exception}: {msg} ({where}pid={self.pid}{proc})"
 
     @classmethod
     def from_exception(
@@ -221,10 +241,12 @@ class FatalRecord:
         vllm_version: str,
         phase: str | None = None,
         now: Callable[[], float] = time.time,
+        process: str | None = None,
     ) -> FatalRecord:
         """Build a record from an exception: :func:`exception_label` of its type name, the
         message truncated to :data:`MAX_MESSAGE_CHARS`, ``vllm_version`` cut to
-        :data:`MAX_LABEL_CHARS`, ``now()``: always a record :func:`parse_fatal_record` accepts."""
+        :data:`MAX_LABEL_CHARS`, ``now()``, ``process`` kept only when it is a name
+        :func:`process_name` could give: always a record :func:`parse_fatal_record` accepts."""
         message = str(exc)
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[: MAX_MESSAGE_CHARS - 3] + "..."
@@ -236,7 +258,40 @@ class FatalRecord:
             pid=int(pid),
             vllm_version=vllm_version[:MAX_LABEL_CHARS],
             phase=phase,
+            process=process if _valid_process(process) else None,
         )
+
+
+def _valid_process(name: object) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= MAX_LABEL_CHARS and name.isidentifier()
+
+
+def process_name(cmdline: bytes, prefix: str = VLLM_TITLE_PREFIX) -> str | None:
+    """The vLLM process name in a process title: ``"EngineCore_DP1"`` for the raw
+    ``/proc/<pid>/cmdline`` ``b"VLLM::EngineCore_DP1"`` (NUL separated, possibly padded
+    with NULs or spaces by setproctitle); ``None`` for any other command line, and for a
+    name that is not a Python identifier of at most :data:`MAX_LABEL_CHARS` (vLLM's are:
+    ``Worker_DP0_PP0_PCP0_TP0_DCP0_EP0``, its longest, has 32 characters)."""
+    text = cmdline.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    head = f"{prefix}::"
+    if not text.startswith(head):
+        return None
+    words = text[len(head):].split()
+    name = words[0] if words else ""
+    return name if _valid_process(name) else None
+
+
+def own_process_name(environ: dict[str, str] | None = None) -> str | None:
+    """This process's vLLM process name (:func:`process_name` of ``/proc/self/cmdline``
+    with ``$VLLM_PROCESS_NAME_PREFIX``), ``None`` outside a titled vLLM process or where
+    ``/proc`` cannot be read. Never raises."""
+    env = os.environ if environ is None else environ
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return None
+    return process_name(raw, env.get(VLLM_TITLE_PREFIX_ENV) or VLLM_TITLE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -474,6 +529,10 @@ def parse_fatal_record(raw: bytes, now: float | None = None) -> FatalRecord:
             f"recorded {t - now:.6g} s in the future (more than {MAX_CLOCK_STEP:g} s)", kind=KIND_FUTURE_TIME
         )
     phase = obj.get("phase")
+    process = obj.get("process")
+    if process is not None and not _valid_process(process):
+        kind = KIND_OVERSIZED_FIELD if isinstance(process, str) and len(process) > MAX_LABEL_CHARS else KIND_INVALID_FIELD
+        raise StateFileError(f"field 'process' is not a vLLM process name: {str(process)[:40]!r}", kind=kind)
     return FatalRecord(
         exception=obj["exception"],
         message=obj["message"],
@@ -482,6 +541,7 @@ def parse_fatal_record(raw: bytes, now: float | None = None) -> FatalRecord:
         pid=obj["pid"],
         vllm_version=obj["vllm_version"],
         phase=phase if isinstance(phase, str) else None,
+        process=process,
     )
 
 
@@ -551,6 +611,14 @@ class RunRecord:
     - ``pid``: the supervisor's pid; ``child_pid``: the child's
     - ``stop_requested``: a SIGTERM/SIGINT/SIGHUP/SIGQUIT reached the supervisor
     - ``exit_status``: ``kvguard run``'s decided exit status once ``exited``, else ``None``
+    - ``death``: set when ``kvguard run`` saw one of vLLM's processes die while its child
+      ran and no stop was requested (:mod:`kvguard.sidecar.parts`): what died, e.g.
+      ``vLLM process EngineCore_DP1 (pid 4242) died`` (at most :data:`MAX_MESSAGE_CHARS`);
+      the sidecar turns the engine ``dead`` on it at once, without waiting for vLLM's
+      ``/health``
+    - ``parts``: vLLM's processes ``kvguard run`` watches now, ``{"name": "EngineCore_DP1",
+      "pid": 866, "parent": null}`` (``parent``: the name of a worker's EngineCore), by pid,
+      at most :data:`MAX_RUN_PARTS`
     """
 
     started: float
@@ -559,14 +627,38 @@ class RunRecord:
     child_pid: int | None = None
     stop_requested: bool = False
     exit_status: int | None = None
+    death: str | None = None
+    parts: tuple[dict, ...] = ()
 
     STATES = ("running", "stopping", "exited")
+
+
+def _parse_parts(raw: object) -> tuple[dict, ...]:
+    """``run.json``'s ``parts``, checked as the supervisor writes them; raises
+    :class:`StateFileError` (``invalid_field`` / ``oversized_field``) otherwise."""
+    if not isinstance(raw, list):
+        raise StateFileError(f"field 'parts' has type {type(raw).__name__}", kind=KIND_INVALID_FIELD)
+    if len(raw) > MAX_RUN_PARTS:
+        raise StateFileError(f"field 'parts' has {len(raw)} entries, more than {MAX_RUN_PARTS}", kind=KIND_OVERSIZED_FIELD)
+    out = []
+    for entry in raw:
+        ok = (
+            isinstance(entry, dict)
+            and set(entry) == {"name", "pid", "parent"}
+            and _valid_process(entry["name"])
+            and isinstance(entry["pid"], int) and not isinstance(entry["pid"], bool) and entry["pid"] > 0
+            and (entry["parent"] is None or _valid_process(entry["parent"]))
+        )
+        if not ok:
+            raise StateFileError(f"field 'parts' holds {str(entry)[:60]!r}", kind=KIND_INVALID_FIELD)
+        out.append({"name": entry["name"], "pid": entry["pid"], "parent": entry["parent"]})
+    return tuple(out)
 
 
 def write_run_record(state: StateDir, record: RunRecord) -> Path:
     """Write ``run.json`` atomically, mode :data:`FILE_MODE`. Raises ``OSError``."""
     state.root.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(asdict(record), sort_keys=True).encode()
+    data = json.dumps({**asdict(record), "parts": list(record.parts)}, sort_keys=True).encode()
     return _atomic_write(state.root, RUN_FILE, data, state.pid())
 
 
@@ -592,9 +684,18 @@ def read_run_record(state: StateDir, now: Callable[[], float] | None = time.time
             child_pid=None if obj.get("child_pid") is None else int(obj["child_pid"]),
             stop_requested=bool(obj.get("stop_requested", False)),
             exit_status=None if obj.get("exit_status") is None else int(obj["exit_status"]),
+            death=obj.get("death"),
         )
+        raw_parts = obj.get("parts", [])
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         raise StateFileError(f"not a run record: {type(e).__name__}: {e}") from None
+    rec = replace(rec, parts=_parse_parts(raw_parts))
+    if rec.death is not None and not isinstance(rec.death, str):
+        raise StateFileError(f"field 'death' has type {type(rec.death).__name__}", kind=KIND_INVALID_FIELD)
+    if rec.death is not None and len(rec.death) > MAX_MESSAGE_CHARS:
+        raise StateFileError(
+            f"field 'death' has {len(rec.death)} characters, more than {MAX_MESSAGE_CHARS}", kind=KIND_OVERSIZED_FIELD
+        )
     if rec.state not in RunRecord.STATES:
         raise StateFileError(f"unknown run state {rec.state!r}")
     if not math.isfinite(rec.started):

@@ -109,12 +109,19 @@ class FatalCause(BaseModel):
     time: float
     pid: int
     phase: str | None = None
+    process: str | None = None
 
 
 class CheckCounts(BaseModel):
     evaluated: float
     tolerated: float
     violations: float
+
+
+class EngineProcess(BaseModel):
+    name: str
+    pid: int
+    parent: str | None
 
 
 class EngineStatus(BaseModel):
@@ -129,6 +136,7 @@ class EngineStatus(BaseModel):
     reason: str | None
     health_status: int | None
     error: str | None
+    processes: list[EngineProcess] = []
 
 
 class Versions(BaseModel):
@@ -418,6 +426,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
                 reason=snap.reason,
                 health_status=p.health_status if p else None,
                 error=p.error if p else None,
+                processes=[EngineProcess(**x) for x in poller.run_record.parts] if poller.run_record else [],
             ),
             last_fatal=FatalCause(
                 exception=last.exception,
@@ -426,6 +435,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
                 time=last.time,
                 pid=last.pid,
                 phase=last.phase,
+                process=last.process,
             )
             if last
             else None,

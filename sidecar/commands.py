@@ -113,6 +113,11 @@ def sidecar(**options: object) -> None:
     help="seconds to wait for a fatal record after an unrequested exit 0 [env KVGUARD_FATAL_WAIT; 0.5]",
 )
 @click.option(
+    "--watch-processes/--no-watch-processes",
+    default=None,
+    help="stop the child when one of vLLM's processes (EngineCore_DP1, Worker_TP1, ...) dies [env KVGUARD_WATCH_PROCESSES; on]",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -132,9 +137,9 @@ def run(
     """Run CMD as a PID-1-safe child and exit non-zero when its engine died.
 
     \b
-    Exit status: 0 requested stop, clean exit; 70 child exited 0 unrequested or an
-    engine fatal was recorded; 128+N killed by signal N; 126/127 exec failed; else the
-    child's own status.
+    Exit status: 0 requested stop, clean exit; 70 one of vLLM's processes died (then the
+    child is stopped), the child exited 0 unrequested or an engine fatal was recorded;
+    128+N killed by signal N; 126/127 exec failed; else the child's own status.
     """
     try:
         cfg = load_run_config(command=tuple(command) or None, **options)

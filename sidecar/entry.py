@@ -52,6 +52,8 @@ def parse_run_args(args: list[str]) -> tuple[dict[str, object], str, bool] | Non
                 level = value
             else:
                 given[field] = value
+        elif a in ("--watch-processes", "--no-watch-processes"):
+            given["watch_processes"] = a == "--watch-processes"
         elif a == "--log-json":
             json_logs = True
         elif a == "--log-console":

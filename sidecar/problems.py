@@ -18,7 +18,7 @@ Sources (a closed set, :data:`kvguard.guards.names.SIDECAR_SOURCES`):
 ``fatal_dir``     ``$STATE/fatal`` unreadable or not a directory
 ``fatal_record``  a ``fatal/*.json`` record unreadable, special, too large, corrupt, or
                   untrustworthy (a field the writer never writes, a time in the future)
-``run_record``    ``$STATE/run.json`` unreadable, special, corrupt or from the future
+``run_record``    ``$STATE/run.json`` unreadable, special, corrupt, oversized or from the future
 ``state_dir``     an unexpected error reading the state dir (counted per event)
 ``poller``        an unexpected error in the health poller (counted per event)
 ================  ============================================================

@@ -52,6 +52,11 @@ class SupervisorConfig:
       to the child. ``None`` disables fatal-record detection.
     - ``fatal_wait``: after the child exits 0 unrequested, seconds to wait for a fatal
       record to appear (an EngineCore may still be writing it), default 0.5 (0..60).
+    - ``watch_processes``: watch vLLM's processes below the child (``EngineCore_DP1``,
+      ``Worker_TP1``, ...: :mod:`kvguard.sidecar.parts`) and stop the child when one dies
+      (default on). Off for a vLLM that survives a dead rank by itself (vLLM's
+      ``--enable-fault-tolerance``, which can scale a failed data-parallel EngineCore down).
+      From the environment: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``.
 
     Values are coerced (``str`` paths to ``Path``, numbers to ``float``) and validated at
     construction: :class:`ConfigError` names the first bad one.
@@ -62,6 +67,7 @@ class SupervisorConfig:
     grace: float = 30.0
     state_dir: Path | None = None
     fatal_wait: float = 0.5
+    watch_processes: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -73,6 +79,7 @@ class SupervisorConfig:
         put("termination_log", Path(self.termination_log))
         if self.state_dir is not None:
             put("state_dir", Path(self.state_dir))
+        put("watch_processes", _boolean("watch_processes", self.watch_processes))
         for name, lo, hi in (("grace", 0, 3600), ("fatal_wait", 0, 60)):
             raw = getattr(self, name)
             try:
@@ -82,6 +89,21 @@ class SupervisorConfig:
             if not lo <= value <= hi:
                 raise _bad(name, f"must be >= {lo} and <= {hi} seconds")
             put(name, value)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _boolean(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise _bad(name, f"must be a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
 
 
 def load_run_config(**given: Any) -> SupervisorConfig:

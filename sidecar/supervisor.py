@@ -19,9 +19,17 @@ The loop, as tini's ``main``:
    child's whole process group. Then ``os.waitpid(-1, WNOHANG)`` until nothing is left;
    only the main child's status counts. Each reaped pid's live multiprocess gauge files
    are removed (prometheus-client's ``mark_process_dead``, as gunicorn's ``child_exit``).
+   While the child runs and no stop was requested, :class:`kvguard.sidecar.parts.PartWatch`
+   looks at the descendants vLLM titled (``VLLM::EngineCore_DP1``, ``VLLM::Worker_TP0``,
+   ``VLLM::DPCoordinator``, ...; every :data:`TICK`, a full ``/proc`` scan every half
+   second). When one dies (vLLM #54914: a dead ``EngineCore_DP1`` leaves the API server
+   answering ``/health`` 200 for about 5 s, and it then exits 0), the supervisor writes
+   ``run.json`` with the death first (the sidecar's ``/livez`` turns 503 on it), then
+   sends SIGTERM to the child, not as a stop request, and the grace clock starts.
 4. After the main child is reaped: the rest of its process group (orphaned EngineCore,
-   workers) gets SIGTERM, then SIGKILL after ``min(grace, 5)`` s; the fatal record of this
-   start (recorded at or after ``run.json``'s ``started``), if any, is read;
+   workers), and any part still alive outside it, gets SIGTERM, then SIGKILL after
+   ``min(grace, 5)`` s; the fatal record of this start (recorded at or after
+   ``run.json``'s ``started``), if any, is read;
    :func:`kvguard.sidecar.exitcode.decide_exit` picks the status, the cause goes to the
    termination log and ``run.json`` says ``exited``.
 
@@ -50,7 +58,8 @@ from kvguard.guards.statefile import (
     write_run_record,
 )
 from kvguard.sidecar.runconfig import SupervisorConfig
-from kvguard.sidecar.exitcode import Exit, decide_exit, signal_name
+from kvguard.sidecar.exitcode import Exit, decide_exit, describe_command, signal_name
+from kvguard.sidecar.parts import PartDeath, PartWatch, title_prefix
 from kvguard.sidecar.termination import write_termination_message
 
 __all__ = ["FORWARDED", "STOP_SIGNALS", "TICK", "Supervisor", "run_supervisor"]
@@ -146,6 +155,10 @@ class Supervisor:
     killed: bool = False
     started: float | None = None
     reaped_orphans: list[int] = field(default_factory=list)
+    #: the vLLM process watch (None until the child is spawned, or after it failed)
+    watch: PartWatch | None = None
+    #: the first vLLM process seen dead while the child ran, before any stop request
+    part_death: PartDeath | None = None
 
     @property
     def state(self) -> StateDir | None:
@@ -181,6 +194,8 @@ class Supervisor:
                     child_pid=self.child_pid,
                     stop_requested=self.stop_requested,
                     exit_status=exit_status,
+                    death=(f"vLLM process {self.part_death.describe()} died" if self.part_death else None),
+                    parts=tuple(self.watch.listing()) if self.watch is not None else (),
                 ),
             )
         except OSError as e:
@@ -221,6 +236,56 @@ class Supervisor:
         except ProcessLookupError:
             log.warning("signal_not_forwarded_child_gone", signal=signal_name(sig))
 
+    def _watch_parts(self) -> None:
+        """One look at vLLM's processes (:class:`PartWatch`); on the first death: log it,
+        tell the sidecar (``run.json``), stop the child (SIGTERM, not a stop request) and
+        start the grace clock. A failure of the watch itself turns the watch off (logged),
+        never the supervisor."""
+        watch = self.watch
+        if watch is None or self.part_death is not None or self.stop_requested or self.child_status is not None:
+            return
+        try:
+            death = watch.poll()
+        except Exception as e:  # pragma: no cover - the watch must never stop kvguard run
+            self.watch = None
+            log.warning("part_watch_failed", error=repr(e))
+            return
+        if death is None:
+            if watch.changed:
+                watch.changed = False
+                log.info("engine_processes", processes=[f"{p['name']}:{p['pid']}" for p in watch.listing()])
+                self._write_run("running")
+            return
+        watch.changed = False
+        self.part_death = death
+        log.error("engine_process_died", process=death.name, pid=death.pid, parent=death.parent,
+                  alive=sorted(p.name for p in watch.parts.values()))
+        self._write_run("running")
+        _mark_dead(self.state.metrics if self.state else None, death.pid)
+        assert self.child_pid is not None
+        try:
+            os.kill(self.child_pid, signal.SIGTERM)
+            log.info("child_stopped_after_engine_death", signal="SIGTERM", pid=self.child_pid, grace=self.config.grace)
+        except ProcessLookupError:
+            pass
+        if self.kill_deadline is None:
+            self.kill_deadline = time.monotonic() + self.config.grace
+
+    def _kill_parts(self, sig: int) -> int:
+        """Send ``sig`` to every vLLM process still alive that the watch knows (one that left
+        the child's process group, e.g. with ``setpgrp``, is not reached by ``killpg``).
+        Returns how many were signalled."""
+        if self.watch is None:
+            return 0
+        n = 0
+        for part in self.watch.alive():
+            try:
+                os.kill(part.pid, sig)
+                n += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        return n
+
     def _kill_group(self, sig: int) -> bool:
         assert self.child_pid is not None
         try:
@@ -255,19 +320,26 @@ class Supervisor:
         self._forward(info.si_signo)
 
     def _finish_group(self, sigset: set[int]) -> None:
-        """SIGTERM, then SIGKILL, whatever is left of the child's process group."""
-        if not self._kill_group(0):
+        """SIGTERM, then SIGKILL, whatever is left of the child's process group and of the
+        vLLM processes the watch knows."""
+        group = self._kill_group(0)
+        if not group and not (self.watch is not None and self.watch.alive()):
             return
         log.info("stopping_leftover_processes", pgid=self.child_pid)
         self._kill_group(signal.SIGTERM)
+        self._kill_parts(signal.SIGTERM)
+
+        def left() -> bool:
+            return self._kill_group(0) or bool(self.watch is not None and self.watch.alive())
+
         deadline = time.monotonic() + min(self.config.grace, LEFTOVER_WAIT)
-        while time.monotonic() < deadline and self._kill_group(0):
+        while time.monotonic() < deadline and left():
             signal.sigtimedwait({signal.SIGCHLD}, TICK)
             self._reap()
-        if self._kill_group(signal.SIGKILL):
+        if self._kill_group(signal.SIGKILL) | bool(self._kill_parts(signal.SIGKILL)):
             log.warning("leftover_processes_killed", pgid=self.child_pid)
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and self._kill_group(0):
+        while time.monotonic() < deadline and left():
             signal.sigtimedwait({signal.SIGCHLD}, TICK)
             self._reap()
         self._reap()
@@ -330,6 +402,11 @@ class Supervisor:
                 self._write_run("exited", result.code)
                 return result
             self._after_spawn()
+            if self.config.watch_processes:
+                try:
+                    self.watch = PartWatch(root=os.getpid(), prefix=title_prefix(self._env()))
+                except Exception as e:  # pragma: no cover
+                    log.warning("part_watch_failed", error=repr(e))
             while self.child_status is None:
                 timeout = TICK
                 if self.kill_deadline is not None and not self.killed:
@@ -342,8 +419,15 @@ class Supervisor:
                         timeout = min(timeout, left)
                 self._wait_signals(sigset, timeout)
                 self._reap()
+                self._watch_parts()
             self._finish_group(sigset)
-            result = decide_exit(self.child_status, self.stop_requested, self._fatal_marker())
+            result = decide_exit(
+                self.child_status,
+                self.stop_requested,
+                self._fatal_marker(),
+                part_death=self.part_death,
+                child=describe_command(self.config.command),
+            )
             self._write_run("exited", result.code)
             return result
         finally:

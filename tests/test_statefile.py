@@ -39,6 +39,7 @@ def test_round_trip_keeps_every_field(tmp_path):
         "pid": 42,
         "vllm_version": "0.25.1",
         "phase": "running",
+        "process": None,
     }
     assert read_fatal_records(state) == ([rec], [])
 
@@ -270,3 +271,79 @@ def test_a_deeply_nested_run_record_is_corrupt(tmp_path):
     with pytest.raises(StateFileError) as info:
         read_run_record(StateDir(tmp_path))
     assert info.value.kind == "corrupt"
+
+
+# -- issue 23: the process that wrote a record, and the processes kvguard run watches ----
+
+def test_a_record_names_its_vllm_process(tmp_path):
+    state = StateDir(tmp_path).ensure()
+    rec = FatalRecord.from_exception(AssertionError("x"), site=None, pid=5, vllm_version="0.32.0",
+                                     now=lambda: NOW, process="EngineCore_DP1")
+    write_fatal_record(state, rec)
+    [got], errors = read_fatal_records(state, now=lambda: NOW)
+    assert errors == [] and got.process == "EngineCore_DP1"
+    assert got.cause() == "engine fatal: AssertionError: x (pid=5, process=EngineCore_DP1)"
+    # a name the writer could not have given is dropped, never written
+    for bad in ("", "a b", "VLLM::EngineCore", "x" * 101, 7):
+        assert FatalRecord.from_exception(AssertionError(), site=None, pid=5, vllm_version="v", process=bad).process is None
+
+
+@pytest.mark.parametrize("process, kind", [
+    ("Engine Core", "invalid_field"), (7, "invalid_field"), ("", "invalid_field"), ("x" * 101, "oversized_field"),
+])
+def test_a_record_whose_process_the_plugin_could_not_have_written_is_rejected(process, kind):
+    with pytest.raises(StateFileError) as info:
+        parse_fatal_record(raw_record(process=process), now=NOW)
+    assert info.value.kind == kind
+    assert parse_fatal_record(raw_record(process=None), now=NOW).process is None
+    assert parse_fatal_record(raw_record(), now=NOW).process is None  # records of earlier kvguard releases
+
+
+def test_own_process_name_in_a_process_titled_by_vllm(tmp_path):
+    import subprocess
+    import sys
+
+    import sysconfig
+
+    # argv[0] is the title, so Python cannot find its environment from it: add its site dir
+    site_dir = sysconfig.get_paths()["purelib"]
+    code = (f"import site; site.addsitedir({site_dir!r}); from kvguard.guards.statefile import own_process_name as n; "
+            "print(n(), n({'VLLM_PROCESS_NAME_PREFIX': 'X'}))")
+    out = subprocess.run(["bash", "-c", 'exec -a VLLM::EngineCore_DP1 "$0" -c "$1"', sys.executable, code],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.split() == ["EngineCore_DP1", "None"]
+    assert statefile.own_process_name() is None  # pytest's own title is no vLLM title
+
+
+def test_run_record_death_and_parts_round_trip(tmp_path):
+    state = StateDir(tmp_path)
+    parts = ({"name": "EngineCore_DP0", "pid": 865, "parent": None}, {"name": "Worker", "pid": 1191, "parent": "EngineCore_DP0"})
+    rec = RunRecord(started=NOW, state="running", pid=1, child_pid=2, death="vLLM process EngineCore_DP1 (pid 866) died",
+                    parts=parts)
+    write_run_record(state, rec)
+    assert read_run_record(state, now=lambda: NOW) == rec
+    write_run_record(state, RunRecord(started=NOW, state="running", pid=1))
+    old = json.loads((tmp_path / "run.json").read_text())
+    del old["parts"], old["death"]  # run.json of an earlier kvguard release
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    assert read_run_record(state, now=lambda: NOW) == RunRecord(started=NOW, state="running", pid=1)
+
+
+@pytest.mark.parametrize("over, kind", [
+    ({"death": 7}, "invalid_field"),
+    ({"death": "d" * 2001}, "oversized_field"),
+    ({"parts": {}}, "invalid_field"),
+    ({"parts": [{"name": "EngineCore", "pid": 1}]}, "invalid_field"),
+    ({"parts": [{"name": "Engine Core", "pid": 1, "parent": None}]}, "invalid_field"),
+    ({"parts": [{"name": "EngineCore", "pid": True, "parent": None}]}, "invalid_field"),
+    ({"parts": [{"name": "EngineCore", "pid": 0, "parent": None}]}, "invalid_field"),
+    ({"parts": [{"name": "Worker", "pid": 3, "parent": "a/b"}]}, "invalid_field"),
+    ({"parts": [{"name": "Worker", "pid": n, "parent": None} for n in range(1, 258)]}, "oversized_field"),
+])
+def test_a_run_record_the_supervisor_could_not_have_written_is_rejected(tmp_path, over, kind):
+    obj = {"started": NOW, "state": "running", "pid": 1, "child_pid": 2, "stop_requested": False,
+           "exit_status": None, **over}
+    (tmp_path / "run.json").write_text(json.dumps(obj))
+    with pytest.raises(StateFileError) as info:
+        read_run_record(StateDir(tmp_path), now=lambda: NOW)
+    assert info.value.kind == kind

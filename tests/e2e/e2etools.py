@@ -74,12 +74,12 @@ def make_tiny_mistral(out: Path, head_dim: int) -> Path:
     return out
 
 
-def vllm_args(model: Path, port: int) -> list[str]:
+def vllm_args(model: Path, port: int, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         *VLLM_SERVER, "--model", str(model), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
-        "--disable-log-stats", "--disable-uvicorn-access-log",
+        "--disable-log-stats", "--disable-uvicorn-access-log", *extra,
     ]
 
 
@@ -194,7 +194,7 @@ class Server:
     """A vLLM OpenAI server on a loopback port, plain or under ``kvguard run``."""
 
     def __init__(self, name: str, model: Path, workdir: Path, supervised: bool, sidecar: bool = False,
-                 grace: float = 30.0) -> None:
+                 grace: float = 30.0, extra: tuple[str, ...] = ()) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = free_port()
@@ -203,7 +203,7 @@ class Server:
         self.termination_log = workdir / "termination-log"
         self.termination_log.write_text("")  # Kubernetes creates the file; so do we
         env = base_env()
-        argv = vllm_args(model, self.port)
+        argv = vllm_args(model, self.port, extra)
         if supervised:
             argv = [KVGUARD, "run", "--log-console", "--grace", str(grace), "--state-dir", str(self.state_dir),
                     "--termination-log", str(self.termination_log), "--", *argv]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -25,7 +26,14 @@ from kvguard.sidecar.exitcode import ENGINE_FATAL
 
 pytestmark = pytest.mark.vllm_server
 
-UNREQUESTED_EXIT_0 = "child exited 0 without a stop request (vLLM exits 0 when its engine dies: vllm#48966)\n"
+#: kvguard run's child, as its termination messages name it (sidecar/exitcode.py describe_command)
+API_SERVER = "python -m vllm.entrypoints.openai.api_server"
+
+
+def part_died(name: str, pid: int) -> re.Pattern[str]:
+    """kvguard run saw vLLM's process ``name`` die (issue 23) and stopped the API server."""
+    return re.compile(rf"vLLM process {name} \(pid {pid}\) died without a stop request; "
+                      rf"the child \({re.escape(API_SERVER)}\) then (exited \d+|was killed by SIG[A-Z]+)\n")
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -93,8 +101,9 @@ def test_a_normal_running_then_b_engine_death_under_kvguard(fleet):
 
         code = s.proc.wait(120)
         assert code == ENGINE_FATAL, s.proc.tail()
-        assert s.termination() == UNREQUESTED_EXIT_0
-        assert "child_exited" in s.proc.tail(400) and "exit_status=0" in s.proc.tail(400)
+        print(f"[e2e] termination message: {s.termination()!r}")
+        assert part_died("EngineCore", engine.pid).fullmatch(s.termination())
+        assert "engine_process_died" in s.proc.tail(400) and "child_exited" in s.proc.tail(400)
         status = s.get("/status", s.sidecar_url).json()
         assert status["engine"]["state"] == "dead" and status["engine"]["deaths"] == 1
         assert metric_samples(s.get("/metrics", s.sidecar_url).text)[("kvguard_engine_deaths_total", ())] == 1.0
@@ -128,10 +137,11 @@ def test_e_worker_crash_in_the_engine_is_a_recorded_engine_death(fleet):
         print(f"[e2e] termination log: {line!r}")
         assert line.startswith("engine fatal during running: RuntimeError: Worker failed with error ")
         assert "Unsupported CPU attention configuration: head_dim=16" in line
-        assert line.endswith(f"(pid={engine.pid})\n")
+        # the record names its process; then kvguard run saw that EngineCore go
+        assert f"(pid={engine.pid}, process=EngineCore); vLLM process EngineCore (pid {engine.pid}) died" in line
         [record] = s.fatal_records()
-        assert (record["exception"], record["pid"], record["phase"], record["vllm_version"]) == (
-            "RuntimeError", engine.pid, "running", "0.32.0",
+        assert (record["exception"], record["pid"], record["phase"], record["vllm_version"], record["process"]) == (
+            "RuntimeError", engine.pid, "running", "0.32.0", "EngineCore",
         )
         wait_for(lambda: s.status("/livez", s.sidecar_url) == 503, 5, "/livez 503")
         status = s.get("/status", s.sidecar_url).json()
@@ -161,15 +171,29 @@ def test_c_sigterm_is_a_clean_stop_with_exit_0(fleet):
 
 
 def test_d_sigkill_of_the_api_server_gives_137(fleet):
+    """The API server of a data-parallel server (issue 23): its coordinator, both
+    EngineCores and their workers are orphaned, reparented to kvguard run and stopped."""
     s = fleet.get("kill_api")
     try:
-        s.wait_ready()
+        s.wait_ready(900)
+        wait_for(lambda: s.status("/livez", s.sidecar_url) == 200, 30, "sidecar /livez 200")
         api = s.proc.find(" ".join(VLLM_SERVER))
         assert api.ppid() == s.proc.pid  # the direct child of kvguard run
+        parts = {" ".join(p.cmdline()).split()[0]: p.pid for p in s.proc.tagged() if p.cmdline()[0].startswith("VLLM::")}
+        print(f"[e2e] data-parallel server: API server {api.pid}, {parts}")
+        assert {"VLLM::DPCoordinator", "VLLM::EngineCore_DP0", "VLLM::EngineCore_DP1", "VLLM::Worker"} <= set(parts)
+        t0 = time.monotonic()
         api.send_signal(signal.SIGKILL)
+        wait_for(lambda: s.status("/livez", s.sidecar_url) == 503, 5, "/livez 503", interval=0.01)
+        livez = time.monotonic() - t0
         assert s.proc.wait(120) == 137, s.proc.tail()
-        assert s.termination() == "child killed by SIGKILL without a stop request\n"
-        # kvguard run stopped what was left of vLLM's process group (EngineCore, worker).
-        wait_for(lambda: not s.proc.tagged(), 30, "orphaned EngineCore/worker gone")
+        took = time.monotonic() - t0
+        print(f"[e2e] API server SIGKILL: /livez 503 after {livez * 1000:.0f} ms, kvguard run exited 137 "
+              f"after {took:.1f}s")
+        assert livez <= 1.0
+        assert s.termination() == f"child ({API_SERVER}) killed by SIGKILL without a stop request\n"
+        # kvguard run stopped what was left of vLLM's processes (coordinator, EngineCores, workers).
+        wait_for(lambda: not s.proc.tagged(), 30, "orphaned coordinator/EngineCores/workers gone")
+        assert "orphan_reaped" in s.proc.tail(400)
     finally:
         fleet.done("kill_api")

@@ -114,6 +114,8 @@ def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
         write_fatal_record(state, rec)
         write_fatal_record(state, FatalRecord("RuntimeError", "worker died", None, 1240.0, 98, "0.25.1", "running"))
         busy_wait(lambda: client.get("/livez").status_code == 503)
+        # a poll between the two writes sees only the first record: wait for both
+        busy_wait(lambda: client.get("/status").json()["fatal_history"] == 2)
         assert client.get("/livez").json()["detail"] == (
             "engine fatal during running: RuntimeError: worker died (pid=98)"
         )
@@ -121,7 +123,7 @@ def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
         assert status["engine"]["state"] == "dead"
         assert status["last_fatal"] == {
             "exception": "RuntimeError", "message": "worker died", "site": None,
-            "time": 1240.0, "pid": 98, "phase": "running",
+            "time": 1240.0, "pid": 98, "phase": "running", "process": None,
         }
         m = samples(client.get("/metrics").text)
         # max(engine counter, records) per exception: nothing counted twice.

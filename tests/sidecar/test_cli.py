@@ -100,12 +100,15 @@ def test_run_maps_flags_and_passes_the_exit_code(captured, tmp_path):
         command=("python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"),
         termination_log=tmp_path / "t", grace=5.0, state_dir=tmp_path, fatal_wait=1.0,
     )
+    assert invoke(["run", "--no-watch-processes", "--", "true"]).exit_code == 70
+    assert captured["run"].watch_processes is False
 
 
 def test_run_defaults(captured):
     assert invoke(["run", "--", "true"]).exit_code == 70
     cfg = captured["run"]
-    assert (cfg.termination_log, cfg.grace, cfg.state_dir, cfg.fatal_wait) == (DEFAULT_TERMINATION_LOG, 30.0, None, 0.5)
+    assert (cfg.termination_log, cfg.grace, cfg.state_dir, cfg.fatal_wait, cfg.watch_processes) == (
+        DEFAULT_TERMINATION_LOG, 30.0, None, 0.5, True)
     assert DEFAULT_TERMINATION_LOG == Path("/dev/termination-log")
 
 
@@ -156,6 +159,8 @@ def test_version_names_kvguard_and_the_installed_vllm(monkeypatch):
         ["--termination-log", "/tmp/t", "--grace", "5", "--state-dir", "/s", "--fatal-wait", "1", "--", "vllm", "serve"],
         ["--grace=7.5", "--log-console", "--log-level", "debug", "vllm", "serve", "--grace", "3"],
         ["--log-json", "--state-dir=/x", "sh", "-c", "exit 0"],
+        ["--no-watch-processes", "--", "vllm", "serve"],
+        ["--watch-processes", "--grace", "2", "vllm", "serve", "--no-watch-processes"],
     ],
 )
 def test_the_fast_run_parser_agrees_with_click(captured, args, monkeypatch):
@@ -183,6 +188,8 @@ def test_the_fast_run_parser_leaves_the_rest_to_click(args):
     [
         (["--grace", "-1", "--", "true"], {}, "invalid setting KVGUARD_GRACE (--grace): must be >= 0"),
         (["--", "true"], {"KVGUARD_FATAL_WAIT": "soon"}, "invalid setting KVGUARD_FATAL_WAIT (--fatal-wait)"),
+        (["--", "true"], {"KVGUARD_WATCH_PROCESSES": "maybe"},
+         "invalid setting KVGUARD_WATCH_PROCESSES (--watch-processes): must be a boolean"),
         (["--log-level", "loud", "--", "true"], {}, "Invalid value for '--log-level'"),
     ],
 )
@@ -197,3 +204,12 @@ def test_the_console_script_fails_a_bad_run_setting_with_exit_2(args, env, messa
                          env={**os.environ, **env}, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("value, want", [("0", False), ("off", False), ("No", False), ("1", True), ("TRUE", True), ("on", True)])
+def test_watch_processes_from_the_environment(captured, value, want):
+    assert invoke(["run", "--", "true"], env={"KVGUARD_WATCH_PROCESSES": value}).exit_code == 70
+    assert captured["run"].watch_processes is want
+    # the flag wins over the environment
+    assert invoke(["run", "--watch-processes", "--", "true"], env={"KVGUARD_WATCH_PROCESSES": value}).exit_code == 70
+    assert captured["run"].watch_processes is True

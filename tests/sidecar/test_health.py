@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvguard.sidecar.health import EngineState, EngineTracker, Probe
+from kvguard.sidecar.health import EngineState, EngineTracker, Probe, RunView
 
 UP = Probe(200, True, None, 1.0)
 UP_NOT_READY = Probe(200, False, None, 1.0)
@@ -118,3 +118,35 @@ def test_child_exit_without_stop_request_is_dead_at_once():
     assert (s.state, s.deaths, s.reason) == (
         EngineState.DEAD, 1, "the engine process exited without a stop request",
     )
+
+
+# -- issue 23: kvguard run saw one of vLLM's processes die (run.json ``death``) ----------
+
+DEATH = "vLLM process EngineCore_DP1 (pid 866) died"
+
+
+def run_with(*steps):
+    t = EngineTracker()
+    return [t.observe(probe, frozenset(), view) for probe, view in steps]
+
+
+def test_a_process_death_kills_at_once_while_health_is_still_200_and_never_revives():
+    alive = RunView(100.0, "running")
+    died = RunView(100.0, "running", death=DEATH)
+    gone = RunView(100.0, "exited", death=DEATH)
+    s = run_with((UP, alive), (UP, died), (UP, died), (SICK, died), (UP, died), (GONE, gone), (UP, gone))
+    assert [x.state for x in s] == [EngineState.UP] + [EngineState.DEAD] * 6
+    assert s[1].reason == DEATH and not s[1].live and not s[1].ready
+    assert [x.deaths for x in s] == [0] + [1] * 6  # one death, however it shows next
+
+
+def test_a_stop_requested_after_a_process_death_is_still_a_death():
+    stopping = RunView(100.0, "stopping", stop_requested=True, death=DEATH)
+    s = run_with((UP, RunView(100.0, "running")), (UP, stopping))
+    assert s[-1].state is EngineState.DEAD and s[-1].reason == DEATH
+
+
+def test_a_new_child_after_a_process_death_starts_again():
+    s = run_with((UP, RunView(100.0, "exited", death=DEATH)), (GONE, RunView(200.0, "running")),
+                 (UP, RunView(200.0, "running")))
+    assert [x.state for x in s] == [EngineState.DEAD, EngineState.STARTING, EngineState.UP]

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def test_sigterm_death_gives_143(kvguard_run, tmp_path):
     run = kvguard_run(["--termination-log", str(tmp_path / "t"), "--", "sh", "-c", "kill -TERM $$; sleep 5"])
     code, out = run.wait()
     assert code == 143, out
-    assert (tmp_path / "t").read_text() == "child killed by SIGTERM without a stop request\n"
+    assert (tmp_path / "t").read_text() == "child (sh) killed by SIGTERM without a stop request\n"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
@@ -351,3 +352,107 @@ def test_kvguard_run_spawns_its_child_before_importing_click_structlog_or_pydant
     assert out.returncode == 70, out.stdout + out.stderr  # `true` exits 0 unrequested
     [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAVY")]
     assert json.loads(line[len("HEAVY "):]) == []
+
+
+# -- issue 23: one of vLLM's processes dies while the API server runs ---------------------
+
+def _parts(state: Path) -> dict[str, int]:
+    try:
+        rec = json.loads((state / "run.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return {p["name"]: p["pid"] for p in rec.get("parts", [])}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_vllm_process_stops_the_child_and_exits_70_naming_it(kvguard_run, tmp_path):
+    """The child plays vLLM's API server with two data-parallel EngineCores (titled as vLLM
+    titles them; the API server does not notice a death, as vLLM takes about 5 s): one is
+    SIGKILLed. kvguard run tells the sidecar first (run.json), stops the child, cleans up
+    the other rank, and exits 70 with a message naming the rank."""
+    state, term = tmp_path / "state", tmp_path / "t"
+    script = (
+        "(exec -a VLLM::DPCoordinator sleep 60) & (exec -a VLLM::EngineCore_DP0 sleep 60) & "
+        "(exec -a VLLM::EngineCore_DP1 sleep 60) & trap 'exit 0' TERM; wait; wait"
+    )
+    run = kvguard_run(["--termination-log", str(term), "--state-dir", str(state), "--", "bash", "-c", script])
+    parts = busy_wait(lambda: (lambda p: len(p) == 3 and p)(_parts(state)))
+    assert set(parts) == {"DPCoordinator", "EngineCore_DP0", "EngineCore_DP1"}
+    t0 = time.monotonic()
+    os.kill(parts["EngineCore_DP1"], signal.SIGKILL)
+    rec = busy_wait(lambda: (lambda r: r.get("death") and r)(json.loads((state / "run.json").read_text())))
+    seen = time.monotonic() - t0
+    code, out = run.wait()
+    took = time.monotonic() - t0
+    print(f"[supervisor] death in run.json {seen * 1000:.0f} ms, kvguard run exited {took * 1000:.0f} ms after the SIGKILL")
+    assert rec["death"] == f"vLLM process EngineCore_DP1 (pid {parts['EngineCore_DP1']}) died"
+    assert rec["state"] == "running" and rec["stop_requested"] is False
+    assert code == ENGINE_FATAL, out
+    assert term.read_text() == (
+        f"vLLM process EngineCore_DP1 (pid {parts['EngineCore_DP1']}) died without a stop request; "
+        "the child (bash) then exited 0\n")
+    assert "engine_process_died" in out and "child_stopped_after_engine_death" in out
+    final = json.loads((state / "run.json").read_text())
+    assert (final["state"], final["exit_status"], final["death"]) == ("exited", ENGINE_FATAL, rec["death"])
+    assert all(_gone(pid) for pid in parts.values())
+
+
+def test_parts_out_of_the_process_group_are_stopped_at_the_end(kvguard_run, tmp_path):
+    """vLLM's multi-port DP launcher puts each rank's server in a new process group
+    (``os.setpgrp``): killpg of the child's group misses it, the watch does not."""
+    state = tmp_path / "state"
+    away = (f"{sys.executable} -c \"import os; os.setpgrp(); "
+            "os.execv('/bin/sleep', ['VLLM::APIServer_DP1', '60'])\"")
+    script = f"({away}) & (exec -a VLLM::EngineCore_DP0 sleep 60) & trap 'exit 0' TERM; wait; wait"
+    run = kvguard_run(["--grace", "5", "--state-dir", str(state), "--", "bash", "-c", script])
+    parts = busy_wait(lambda: (lambda p: len(p) == 2 and p)(_parts(state)))
+    assert os.getpgid(parts["APIServer_DP1"]) != os.getpgid(parts["EngineCore_DP0"])
+    os.kill(parts["EngineCore_DP0"], signal.SIGKILL)
+    code, out = run.wait()
+    assert code == ENGINE_FATAL, out
+    assert _gone(parts["APIServer_DP1"]), out
+
+
+def test_parts_that_die_after_a_stop_request_are_a_clean_stop(kvguard_run, tmp_path):
+    state, term = tmp_path / "state", tmp_path / "t"
+    script = ("(exec -a VLLM::EngineCore_DP0 sleep 60) & (exec -a VLLM::EngineCore_DP1 sleep 60) & "
+              "trap 'kill -9 $(jobs -p); exit 0' TERM; wait; wait")
+    run = kvguard_run(["--termination-log", str(term), "--state-dir", str(state), "--", "bash", "-c", script])
+    parts = busy_wait(lambda: (lambda p: len(p) == 2 and p)(_parts(state)))
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, out = run.wait()
+    assert code == 0, out
+    assert term.read_text() == "stopped on request\n"
+    assert "engine_process_died" not in out
+    assert json.loads((state / "run.json").read_text())["death"] is None
+    assert all(_gone(pid) for pid in parts.values())
+
+
+def test_a_child_that_titles_nothing_is_not_watched(kvguard_run, tmp_path):
+    """kvguard run runs anything: with no vLLM title below it, nothing is a part, and a
+    grandchild that ends is just reaped."""
+    state = tmp_path / "state"
+    run = kvguard_run(["--state-dir", str(state), "--", "bash", "-c", "sleep 0.3 & wait; exit 3"])
+    code, out = run.wait()
+    assert code == 3, out
+    rec = json.loads((state / "run.json").read_text())
+    assert (rec["parts"], rec["death"]) == ([], None)
+
+
+def test_no_watch_processes_leaves_a_dead_part_to_vllm(kvguard_run, tmp_path):
+    """``--no-watch-processes`` (a vLLM that survives a dead rank: --enable-fault-tolerance):
+    the child goes on after a titled process dies, and its own status decides."""
+    state, ready = tmp_path / "state", tmp_path / "ready"
+    # the part lives 1.5 s, three scans of the watch: with the watch on this is exit 70
+    script = (f"(exec -a VLLM::EngineCore_DP1 sleep 1.5); touch {ready}; sleep 0.5; exit 3")
+    run = kvguard_run(["--no-watch-processes", "--state-dir", str(state), "--", "bash", "-c", script])
+    code, out = run.wait()
+    assert ready.exists() and code == 3, out
+    rec = json.loads((state / "run.json").read_text())
+    assert (rec["parts"], rec["death"], rec["exit_status"]) == ([], None, 3)
