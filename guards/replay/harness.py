@@ -156,12 +156,19 @@ def install_guard(policy: str) -> bool:
     """Install the offload guards the way vLLM loads the plugin (``kvguard.guards.plugin.register``).
 
     Returns what ``register`` returns: True when the guards are installed in this process.
+    A guard this process installed earlier with another policy is uninstalled first (a
+    repeated install keeps the first policy, as the plugin's does inside vLLM).
     """
     from kvguard.guards import plugin
     from kvguard.guards.instrumentor import OffloadGuardInstrumentor
     from kvguard.guards.settings import GuardSettings
 
     os.environ.pop("KVGUARD_DISABLE", None)
+    from kvguard.guards import runtime
+
+    inst = OffloadGuardInstrumentor()
+    if inst.is_installed and runtime.policy() != policy:
+        inst.uninstall()  # a guard installed earlier in this process keeps its policy otherwise
     installed = plugin.register(GuardSettings(policy=policy))
     return bool(installed) or OffloadGuardInstrumentor().is_installed
 

@@ -36,6 +36,14 @@ FACTS: dict[str, str] = {
         "vLLM #49118: `python tests/vllm/degrade_replay.py tests/vllm/traces/abort-queued-49118.jsonl`: "
         "no_guard.engine_survived is false (true) or true (false)"
     ),
+    "stale_zeroing_026_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "
+        "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"
+    ),
+    "stale_zeroing_029_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-029.jsonl`: "
+        "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"
+    ),
     "keyerror_42761_dies": (
         "vLLM #42761: `kvguard replay --no-guard --trace tests/vllm/traces/fuzz-keyerror-42761.jsonl` "
         "dies of a KeyError in _remove_pending_job (true) or survives (false)"

@@ -1,0 +1,95 @@
+"""Every wrong-KV class kvguard's fuzzer found, on every full release (issue 22).
+
+The stale-id zeroing misfire (docs/fuzz.md, "Wrong KV: the stale-block zeroing misfire"):
+since PR #42959 (the #42761 fix, in 0.23.0 and later) vLLM's offloading connector zeroes a
+sliding-window block id of a request whenever the same id is among the step's newly
+listed blocks, taking it for "freed by the window and re-allocated"; a GPU prefix-cache
+hit of another request lists the *shared* blocks too, so a block the request still holds
+is zeroed, its chunk is stored without it, and a later load serves never-written KV.
+
+Two minimal traces, each a ``kvguard fuzz --no-guard`` finding shrunk by the fuzzer: the
+0.26.0 one (default layout, a shared 8-token prefix) and the 0.29.0 one (three groups of
+mixed block sizes). How many wrong blocks each shows without the guard is a measured
+release fact (release_facts.csv: ``stale_zeroing_*_wrong_kv_blocks``; 0 where the release's
+store path does not reach it with that trace, null where the geometry cannot be expressed).
+With the guard every request finishes with 0 wrong-KV blocks, and where vLLM alone serves
+wrong KV the ``store_coverage`` check names the action (``store_dropped``); ``observe``
+counts it and leaves vLLM's behaviour; ``strict`` raises at the store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from release_facts import fact
+
+from kvguard.guards import events, names
+from kvguard.guards.replay import harness
+from kvguard.guards.replay.trace import load_trace
+
+pytestmark = pytest.mark.vllm
+
+TRACES = Path(__file__).parent / "traces"
+CASES = [("wrong-kv-stale-zeroing-026.jsonl", "stale_zeroing_026_wrong_kv_blocks"),
+         ("wrong-kv-stale-zeroing-029.jsonl", "stale_zeroing_029_wrong_kv_blocks")]
+
+
+def _expressible(trace) -> bool:
+    try:
+        engine = harness.build_engine(trace.geometry, trace.worker)
+    except RuntimeError:  # the release cannot express the geometry (the harness's own probes)
+        return False
+    del engine
+    return True
+
+
+@pytest.mark.parametrize(("name", "fact_name"), CASES, ids=[c[0] for c in CASES])
+def test_the_class_on_this_release(name: str, fact_name: str) -> None:
+    trace = load_trace(str(TRACES / name))
+    want = fact(fact_name)
+    if want is None:
+        assert not _expressible(trace)
+        return
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled
+    assert plain.wrong_kv_blocks == want, plain.worker.oracle.wrong_kv
+    if want:
+        # the wrong blocks are never-written slots of a sliding-window group
+        assert all("never-written" in w["what"] for w in plain.worker.oracle.wrong_kv)
+
+    with events.capture() as logged:
+        guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok, (guarded.error, guarded.stalls, guarded.worker.oracle.wrong_kv)
+    assert guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    cover = guarded.checks[names.CHECK_STORE_COVERAGE]
+    assert cover["evaluated"] >= 1
+    dropped = [e for e in logged if e["event"] == "check_failed" and e["check"] == names.CHECK_STORE_COVERAGE]
+    if want:
+        assert cover["violations"] >= 1
+        assert dropped and all(e["action"] == names.ACTION_STORE_DROPPED for e in dropped)
+        assert any(e["event"] == "store_dropped" and e["check"] == names.CHECK_STORE_COVERAGE for e in logged)
+        assert "left_out" in dropped[0]["message"]
+
+
+@pytest.mark.parametrize("policy", ["observe", "strict"])
+def test_observe_counts_and_strict_raises(policy: str) -> None:
+    """On a release where the 0.26.0 trace serves wrong KV: ``observe`` counts the check
+    (``continued``) and vLLM serves the same wrong KV; ``strict`` raises at the store."""
+    trace = load_trace(str(TRACES / CASES[0][0]))
+    want = fact(CASES[0][1])
+    if not want:
+        pytest.skip(f"vLLM alone serves no wrong KV with this trace on this release (release fact {CASES[0][1]})")
+    harness.uninstall_guard()  # a guard installed earlier in this process keeps its policy
+    try:
+        result = harness.run_replay(trace, guard=True, policy=policy)
+    finally:
+        harness.uninstall_guard()
+    cover = result.checks[names.CHECK_STORE_COVERAGE]
+    assert cover["violations"] >= 1
+    if policy == "observe":
+        assert result.engine_survived and result.wrong_kv_blocks == want
+    else:
+        assert not result.engine_survived
+        assert result.error.startswith("AssertionError: store coverage: group ")
+        assert result.wrong_kv_blocks == 0
