@@ -119,13 +119,13 @@ bench-parts:
 	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part code
 	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part all
 
-## fuzz: kvguard's reliability figure (issue 10): a fixed guarded fuzz budget on 0.33.0 and 0.25.1
-FUZZ_EXAMPLES ?= 600
+## fuzz: kvguard's reliability figure (issues 10, 22): on every full release, an unhinted
+## --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, one table
+FUZZ_EXAMPLES ?= 2000
 fuzz:
 	scripts/env.sh light
-	scripts/env.sh vllm-0.33.0
-	scripts/env.sh vllm-0.25.1
-	.venvs/light/bin/python bench/fuzz_bench.py --versions 0.33.0 0.25.1 --examples $(FUZZ_EXAMPLES)
+	for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done
+	.venvs/light/bin/python bench/fuzz_bench.py --versions $(VLLM_VERSIONS) --examples $(FUZZ_EXAMPLES) --jobs 2
 
 clean:
 	rm -rf .venvs

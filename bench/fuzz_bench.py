@@ -1,14 +1,20 @@
-"""kvguard's reliability figure (issue 10, item 4): a fixed fuzz budget with the guard on.
+"""kvguard's reliability figure on every full release (issues 10 and 22): one table.
 
-    python bench/fuzz_bench.py [--versions 0.33.0 0.25.1] [--examples 600] [--seed 0] [--json]
+    python bench/fuzz_bench.py --versions 0.21.0 ... 0.34.0 [--examples 2000] [--seed 0] [--jobs 2] [--json]
 
-For each vLLM release it runs ``.venvs/vllm-<v>/bin/kvguard fuzz --guard --examples N
---seed S --json`` (the environment must exist: ``scripts/env.sh vllm-<v>``; ``make fuzz``
-builds them) and prints, per release: examples, scheduler steps, engine deaths caused by
-kvguard code, requests lost, wrong-KV blocks (goal 0 for the last three), kvguard bugs,
-and the classes the guard met with what it did. ``--examples`` fixes the budget, so the
-figures are reproducible for a seed and release. Exit status 1 when a release misses a
-goal (or its run failed), else 0.
+For each vLLM release it runs, in that release's environment (``.venvs/vllm-<v>``, built by
+``scripts/env.sh vllm-<v>``; ``make fuzz`` builds them):
+
+- what vLLM alone does: ``kvguard fuzz --no-guard --examples N --seed S`` (the unhinted
+  search; layouts, ``extra_retained_tokens``, the worker model and tiering drawn where the
+  release has them): the classes it finds, by kind (deaths, stalls, wrong KV);
+- with the guard: ``kvguard fuzz --guard`` on the same examples: kvguard-caused deaths,
+  requests lost, wrong-KV blocks, kvguard bugs (goal 0, 0, 0, 0), and what kvguard did.
+
+``--examples`` fixes the budget, so the figures are reproducible for a seed and release.
+``--jobs`` runs that many fuzz processes side by side (one per core). Prints one table
+(Markdown) and each release's classes; exit status 1 when a release misses a guarded goal
+or a run failed (a harness error included), else 0.
 """
 
 from __future__ import annotations
@@ -18,63 +24,91 @@ import json
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = ("kvguard_deaths", "requests_lost", "wrong_kv_blocks", "kvguard_bugs")
 
 
-def run(version: str, examples: int, seed: int, out: Path) -> dict:
-    """One guarded ``kvguard fuzz`` on ``version``; its ``--json`` report (or an ``error`` entry)."""
+def run(version: str, guard: bool, examples: int, seed: int, out: Path) -> dict:
+    """One ``kvguard fuzz`` on ``version``; its ``--json`` report (or an ``error`` entry)."""
     exe = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "kvguard"
     if not exe.exists():
         return {"vllm_version": version, "error": f"{exe} missing: run scripts/env.sh vllm-{version}"}
+    mode = "guard" if guard else "no-guard"
     proc = subprocess.run(
-        [str(exe), "fuzz", "--guard", "--examples", str(examples), "--seed", str(seed),
-         "--shrink-replays", "20", "--out", str(out / version), "--json"],
+        [str(exe), "fuzz", f"--{mode}", "--examples", str(examples), "--seed", str(seed),
+         "--shrink-replays", "20", "--out", str(out / version / mode), "--json"],
         capture_output=True, text=True,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         return {"vllm_version": version, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    return json.loads(lines[-1])
+    report = json.loads(lines[-1])
+    if report.get("harness_error"):
+        report["error"] = f"harness error: {report['harness_error']['exception']}"
+    return report
+
+
+def _kinds(report: dict) -> str:
+    by_kind: dict[str, int] = {}
+    for c in report["classes"]:
+        if c["kind"] in ("death", "stall", "wrong-kv"):
+            by_kind[c["kind"]] = by_kind.get(c["kind"], 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(by_kind.items())) or "none"
+
+
+def table(pairs: list[tuple[dict, dict]]) -> list[str]:
+    """The Markdown table: one row per release (unguarded search, guarded figures)."""
+    rows = [
+        "| vLLM | examples | steps | requests | vLLM alone: classes (wrong-KV blocks, deaths, lost) "
+        "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for plain, guarded in pairs:
+        if "error" in plain or "error" in guarded:
+            rows.append(f"| {plain['vllm_version']} | FAILED: {plain.get('error') or guarded.get('error')} |")
+            continue
+        rows.append(
+            f"| {guarded['vllm_version']} | {guarded['examples']} | {guarded['steps']} | {guarded['requests']} "
+            f"| {_kinds(plain)} ({plain['wrong_kv_blocks']}, {plain['engine_deaths']}, {plain['requests_lost']}) "
+            f"| {guarded['kvguard_deaths']} | {guarded['requests_lost']} | {guarded['wrong_kv_blocks']} "
+            f"| {guarded['kvguard_bugs']} |"
+        )
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--versions", nargs="+", default=["0.33.0", "0.25.1"])
-    ap.add_argument("--examples", type=int, default=600)
+    ap.add_argument("--versions", nargs="+", required=True)
+    ap.add_argument("--examples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="directory for the minimal traces (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="kvguard-fuzz-bench-"))
-    reports = [run(v, args.examples, args.seed, out) for v in args.versions]
-    ok = True
-    rows = []
-    for r in reports:
-        if "error" in r:
-            ok = False
-            rows.append(f"vLLM {r['vllm_version']}: FAILED: {r['error']}")
-            continue
-        missed = [g for g in GOALS if r[g]]
-        ok &= not missed
-        rows.append(
-            f"vLLM {r['vllm_version']}: {r['examples']} examples, {r['steps']} scheduler steps, "
-            f"{r['requests']} requests, {r['checks_evaluated']} check evaluations; "
-            f"kvguard-caused deaths {r['kvguard_deaths']}, requests lost {r['requests_lost']}, "
-            f"wrong-KV blocks {r['wrong_kv_blocks']}, kvguard bugs {r['kvguard_bugs']} "
-            f"(engine deaths in vLLM code {r['engine_deaths'] - r['kvguard_deaths']}); {r['wall_s']} s"
-            + (f"  MISSED: {', '.join(missed)}" if missed else "")
-        )
-        for c in r["classes"]:
-            rows.append(f"    {c['kind']:8} x{c['count']:<4} {c['class']}: kvguard {', '.join(c['kvguard_did'] or [])}")
+    work = [(v, g) for v in args.versions for g in (False, True)]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        done = list(pool.map(lambda vg: run(vg[0], vg[1], args.examples, args.seed, out), work))
+    pairs = [(done[2 * i], done[2 * i + 1]) for i in range(len(args.versions))]
+    ok = all("error" not in p and "error" not in g and not any(g[k] for k in GOALS) for p, g in pairs)
+    lines = [f"kvguard fuzz bench: seed {args.seed}, {args.examples} examples per release and mode; "
+             f"traces under {out}", *table(pairs)]
+    for plain, guarded in pairs:
+        for label, r in (("vLLM alone", plain), ("guarded", guarded)):
+            if "error" in r:
+                continue
+            lines.append(f"{r['vllm_version']} {label}: {r['wall_s']} s")
+            for c in r["classes"]:
+                did = f": kvguard {', '.join(c['kvguard_did'])}" if c.get("kvguard_did") else ""
+                lines.append(f"    {c['kind']:8} x{c['count']:<4} {c['class']}{did}")
     if args.json:
-        print(json.dumps({"seed": args.seed, "examples": args.examples, "reports": reports, "ok": ok}))
-        print("\n".join(rows), file=sys.stderr)
+        print(json.dumps({"seed": args.seed, "examples": args.examples, "pairs": pairs, "ok": ok}))
+        print("\n".join(lines), file=sys.stderr)
     else:
-        print(f"kvguard fuzz bench: seed {args.seed}, {args.examples} examples per release, guard on (policy guard)")
-        print("\n".join(rows))
+        print("\n".join(lines))
     return 0 if ok else 1
 
 

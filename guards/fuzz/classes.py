@@ -40,6 +40,20 @@ KIND_GUARD_ERROR = "guard-error"
 KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 #: The lab inside it (the replay harness and this fuzzer): a frame there is never the guard's.
 LAB_DIRS = tuple(os.path.join(KVGUARD_DIR, d) + os.sep for d in ("replay", "fuzz"))
+#: The one file under the lab that stands in for guard code: the planted fault
+#: (:mod:`kvguard.guards.fuzz.plant`) is what a bug in ``runtime.check`` would raise, so its
+#: frame counts as the guard's (a kvguard bug), never as the lab's own failure.
+PLANT_FILE = os.path.join(KVGUARD_DIR, "fuzz", "plant.py")
+
+
+def in_lab(filename: str) -> bool:
+    """True when ``filename`` is the lab's own code (:data:`LAB_DIRS`, less :data:`PLANT_FILE`).
+
+    An exception whose innermost frame is here is a harness error (exit 2), never the
+    engine's death nor a kvguard bug.
+    """
+    path = os.path.abspath(filename)
+    return path.startswith(LAB_DIRS) and path != PLANT_FILE
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,10 @@ class Frame:
     @property
     def in_kvguard(self) -> bool:
         """True for a frame of kvguard's guard code: a file under the ``kvguard.guards``
-        package outside the lab (:data:`LAB_DIRS`: the lab's own failure is a harness
+        package outside the lab (:func:`in_lab`: the lab's own failure is a harness
         error, never a kvguard bug)."""
         path = os.path.abspath(self.filename)
-        return path.startswith(KVGUARD_DIR + os.sep) and not path.startswith(LAB_DIRS)
+        return path.startswith(KVGUARD_DIR + os.sep) and not in_lab(path)
 
 
 def frames_of(exc: BaseException) -> list[Frame]:

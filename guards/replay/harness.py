@@ -56,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.guards.fuzz import classes as fuzz_classes
 from kvguard.guards.replay import batch_queue, vllm_api
 from kvguard.guards.replay.jobs import WorkerModel
 from kvguard.guards.replay.stalls import StallWatch
@@ -383,11 +384,8 @@ def _failure_error(request: Any) -> str:
 
 
 #: Folders of the lab's own code (the replay and the fuzzer): an exception whose innermost
-#: frame is here is the lab's failure, never vLLM's or the guard's.
-LAB_DIRS = tuple(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
-    for d in ("replay", "fuzz")
-)
+#: frame is here is the lab's failure, never vLLM's or the guard's (see :func:`in_lab`).
+LAB_DIRS = fuzz_classes.LAB_DIRS
 
 
 def harness_error_of(exc: BaseException) -> dict[str, str] | None:
@@ -395,7 +393,7 @@ def harness_error_of(exc: BaseException) -> dict[str, str] | None:
 
     The lab failed when ``exc`` is a :class:`HarnessError` (``expected`` is the vLLM API
     it names) or when the innermost frame of its traceback is the lab's code
-    (:data:`LAB_DIRS`: a call into vLLM that the installed release does not accept, such as
+    (:func:`~kvguard.guards.fuzz.classes.in_lab`: a call into vLLM that the installed release does not accept, such as
     a struct field it removed, fails in the caller's frame); ``expected`` then names
     that frame. An exception raised inside vLLM's code or kvguard's guard code is not
     one: that is the engine's death (or a kvguard bug).
@@ -404,7 +402,7 @@ def harness_error_of(exc: BaseException) -> dict[str, str] | None:
     inner = tb[-1] if tb else None
     if isinstance(exc, HarnessError):
         expected = exc.expected
-    elif inner is not None and os.path.abspath(inner.filename).startswith(LAB_DIRS):
+    elif inner is not None and fuzz_classes.in_lab(inner.filename):
         expected = f"the vLLM API called at {os.path.basename(inner.filename)}:{inner.lineno} in {inner.name}"
     else:
         return None

@@ -170,3 +170,18 @@ def test_what_the_lab_calls_its_own_failure():
     # an exception raised in code outside the lab (vLLM's, the guard's, here this test's) is not
     assert harness.harness_error_of(_raised(lambda: 1 / 0)) is None
     assert all(d.endswith(os.sep) and os.path.basename(d[:-1]) in ("replay", "fuzz") for d in harness.LAB_DIRS)
+
+
+def test_the_planted_fault_is_guard_code_not_the_lab():
+    # the planted fault stands in for a bug in runtime.check: its frame is kvguard's guard
+    # code (a kvguard bug, exit 1), never the lab's own failure (exit 2). Measured in CI on
+    # 0.33.0 (stop 24): with plant.py counted as lab the planted run exited 2.
+    from kvguard.guards.fuzz import classes, plant
+
+    assert classes.in_lab(harness.__file__) and classes.in_lab(classes.__file__)
+    assert not classes.in_lab(plant.__file__)
+    assert classes.Frame(plant.__file__, "planted_check", 1).in_kvguard
+    assert not classes.Frame(harness.__file__, "run_replay", 1).in_kvguard
+    with pytest.raises(plant.PlantedFault) as raised:
+        plant.planted_check("site", True)
+    assert harness.harness_error_of(raised.value) is None

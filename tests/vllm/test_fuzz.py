@@ -226,20 +226,21 @@ def test_same_step_prefix_hit_is_not_wrong_kv():
     assert result.wrong_kv_blocks == 0 and outcome.findings == []
 
 
-@pytest.fixture
-def only_033():
-    if VERSION != "0.33.0":
-        pytest.skip(f"the guarded reliability run is measured on vLLM 0.33.0 (CI budget); installed {VERSION}")
+#: Examples of the fixed-seed guarded run on every full release (issue 22: the CI's share
+#: of the reliability figure; ``make fuzz`` runs 2,000 per release with the unhinted search)
+GUARDED_EXAMPLES = 200
 
 
-def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
-    """Seed 0, 200 examples, guard on, KV cache layouts drawn (the default): 0
-    kvguard-caused deaths, 0 wrong-KV blocks, no kvguard bug, no geometry vLLM refuses, and
-    0 requests lost (issue 10's goal). Before the ``promotion_progress`` check (2 Dec 2026)
-    this run lost 8 requests in 7 examples (109-115) to a vLLM tiering stall: 0.33.0's
-    request-ranked LRU lets a deferred request's promotions evict its own ready chunks
-    (docs/fuzz.md "A second tiering stall", tests/vllm/traces/tiering-request-rank-loop.jsonl);
-    the check now answers such a deferral with what is ready, so none is lost."""
+def test_guarded_fuzz_has_no_kvguard_bug(tmp_path):
+    """Seed 0, guard on, KV cache layouts drawn where the release expresses them (the
+    default), on every full release: 0 kvguard-caused deaths, 0 requests lost, 0 wrong-KV
+    blocks, no kvguard bug, no guard error and no geometry vLLM refuses (issues 10, 22). On
+    0.33.0 before the ``promotion_progress`` check (2 Dec 2026) this run lost 8 requests in 7
+    examples (109-115) to vLLM's tiering stall (docs/fuzz.md "A second tiering stall");
+    before ``store_coverage`` the same kind of run served wrong KV on 0.25.1-0.29.0 (the
+    stale-id zeroing class, tests/vllm/test_wrong_kv_classes.py)."""
+    from kvguard.guards.fuzz import strategies
+
     lost: dict[int, int] = {}
     seen = {"requests_lost": 0}
 
@@ -250,33 +251,40 @@ def test_guarded_fuzz_033_has_no_kvguard_bug(only_033, tmp_path):
                 lost[t["examples"] + t["invalid_geometries"] - 1] = t["requests_lost"] - seen["requests_lost"]
             seen["requests_lost"] = t["requests_lost"]
 
-    r = runner.fuzz(seed=0, examples=200, guard=True, out_dir=tmp_path, shrink_replays=10, progress=progress)
-    assert r["guard"] is True and r["policy"] == "guard"
+    r = runner.fuzz(seed=0, examples=GUARDED_EXAMPLES, guard=True, out_dir=tmp_path, shrink_replays=10,
+                    progress=progress)
+    assert r["guard"] is True and r["policy"] == "guard" and r["harness_error"] is None
     # every generated geometry passes vLLM's start-up check: the generator's floor is at
-    # least vLLM's own need (strategies.layout_min_gpu_blocks; before, seed 0 drew 3
-    # geometries with two capped sliding windows one block short: 197 + 3 invalid)
-    assert r["examples"] == 200 and r["invalid_geometries"] == 0
-    assert r["checks_evaluated"] > 0  # the guard really ran (window checks evaluated)
+    # least vLLM's own need (strategies.layout_min_gpu_blocks)
+    assert r["examples"] == GUARDED_EXAMPLES and r["invalid_geometries"] == 0
+    assert r["steps"] > 10 * GUARDED_EXAMPLES and r["checks_evaluated"] > 0  # the guard really ran
     assert r["kvguard_deaths"] == 0
     assert r["wrong_kv_blocks"] == 0
     assert r["kvguard_bugs"] == 0
     assert not any(c["kvguard_bug"] for c in r["classes"])
-    traces = runner.generate(0, 200)  # the same examples, in order (no geometry refused)
-    # KV cache layouts are drawn by default where the release expresses them (0.33.0 does):
-    # the report counts exactly the layouts of the traces this seed generates, and they
-    # include several groups, mixed block sizes and extra_retained_tokens
+    assert not [c for c in r["classes"] if c["kind"] == "guard-error"]
+    traces = runner.generate(0, GUARDED_EXAMPLES)  # the same examples, in order (no geometry refused)
+    # the report counts exactly the layouts of the traces this seed generates; where the
+    # release expresses them (its own probes), they include several groups, mixed block
+    # sizes and extra_retained_tokens
     expected = runner.new_layout_counts()
     for trace in traces:
         runner.count_layout(expected, trace)
-    assert r["kv_layouts"] is True and r["layouts"] == expected
-    assert set(expected["kv_cache_groups"]) - {"2"}
-    assert expected["mixed_block_sizes"] > 0 and expected["extra_retained_tokens"] > 0
-    assert not {n["field"] for n in r["not_generated"]} & {"groups", "extra_retained_tokens"}
-    # no request lost, no stall of any kind; the degrade of the deferral is counted
+    assert r["layouts"] == expected
+    support = strategies.layout_support()
+    if support["groups"] is None:
+        assert set(expected["kv_cache_groups"]) - {"2"} and expected["mixed_block_sizes"] > 0
+    if support["extra_retained_tokens"] is None:
+        assert expected["extra_retained_tokens"] > 0
+    # no request lost, no stall of any kind
     assert lost == {} and r["requests_lost"] == 0
     assert not [c for c in r["classes"] if c["kind"] == "stall"]
-    tiered = [i for i, t in enumerate(traces) if t.geometry.secondary_tiers]
-    assert {109, 110, 111, 112, 113, 114, 115} <= set(tiered)  # the examples that lost requests before
+
+
+@pytest.fixture
+def only_033():
+    if VERSION != "0.33.0":
+        pytest.skip(f"the planted-fault control is measured on vLLM 0.33.0 (CI budget); installed {VERSION}")
 
 
 def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
