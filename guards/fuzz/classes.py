@@ -17,6 +17,13 @@ A finding is one of (``kind``):
   hold the right tokens (``wrong_kv_blocks``), or the simulated worker received a
   ``GPULoadStoreSpec`` it cannot execute (``inconsistent_specs``, #42945): served wrong KV
   is worse than a crash.
+- ``request-failed``: the engine stayed up and vLLM itself failed a request whose load
+  the worker reported failed (vLLM 0.34.0's ``load_failure_policy`` "fail": the release's
+  own degrade of a worker-side transfer failure, issue 22 item 4). A request that ended
+  with an error status (this one, or kvguard's ``request_failed`` degrade, named by its
+  ``check`` class) is counted in ``requests_failed``, never as lost: it ended, with an
+  error its client sees. *Lost* is a request of a surviving engine that neither finished,
+  failed nor was aborted (and its dependants never arrived because of it).
 - ``check``: with the guard on, a kvguard check failed and kvguard acted (tolerated,
   degraded, raised): ``check <check name>``. It names the vLLM bug class kvguard kept
   from killing the engine, so the guarded report says what kvguard did for it.
@@ -36,6 +43,7 @@ KIND_STALL = "stall"
 KIND_WRONG_KV = "wrong-kv"
 KIND_CHECK = "check"
 KIND_GUARD_ERROR = "guard-error"
+KIND_REQUEST_FAILED = "request-failed"
 #: Directory of kvguard's own code (the ``kvguard.guards`` package, editable or installed).
 KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 #: The lab inside it (the replay harness and this fuzzer): a frame there is never the guard's.
@@ -171,6 +179,10 @@ class ExampleOutcome:
     finished: int = 0
     engine_survived: bool = True
     requests_lost: int = 0
+    #: requests of a surviving engine that ended with an error status (``FINISHED_ERROR``):
+    #: by vLLM itself (a failed load, 0.34.0) or by kvguard's ``request_failed`` degrade;
+    #: ended, so never lost
+    requests_failed: int = 0
     wrong_kv_blocks: int = 0
     kvguard_death: bool = False
     #: what kvguard did (guard on): action -> count (tolerated, store_dropped, ..., raised)
@@ -198,6 +210,13 @@ def _stall_kinds(result: Any) -> list[str]:
         if kind:
             kinds.append(str(kind))
     return sorted(set(kinds))
+
+
+def _failed_load_requests(result: Any) -> set[str]:
+    """Ids of requests with a load job the simulated worker reported failed."""
+    queue = getattr(getattr(result, "worker", None), "queue", None)
+    done = getattr(queue, "completed", None) or []
+    return {j.req_id for j in done if not j.success and not j.is_store}
 
 
 def _wrong_kv(result: Any) -> int:
@@ -246,8 +265,17 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
         out.kvguard_death = guard and kv_raised
         bug = "kvguard code raised (innermost frame in kvguard)" if out.kvguard_death else None
         out.findings.append(Finding(KIND_DEATH, name, bug, result.error or ""))
-    elif result.stalled or result.finished + getattr(result, "aborted", 0) < result.submitted:
-        out.requests_lost = result.submitted - result.finished - getattr(result, "aborted", 0)
+    failed = [f.get("request_id") for f in (getattr(result, "failed_requests", None) or [])]
+    failed_loads = _failed_load_requests(result)
+    by_vllm = [rid for rid in failed if rid in failed_loads]
+    if result.engine_survived:
+        out.requests_failed = len(failed)
+        if by_vllm:
+            out.findings.append(Finding(KIND_REQUEST_FAILED, "request-failed after its load failed", None,
+                                        f"{len(by_vllm)} request(s): {', '.join(by_vllm[:3])}"))
+    ended = result.finished + getattr(result, "aborted", 0) + out.requests_failed
+    if result.engine_survived and (result.stalled or ended < result.submitted):
+        out.requests_lost = result.submitted - ended
         kinds = _stall_kinds(result)
         name = "stall" + (f" {'+'.join(kinds)}" if kinds else "")
         bug = None

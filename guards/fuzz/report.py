@@ -62,7 +62,8 @@ def table(result: dict[str, Any]) -> str:
         f"{result['examples']} examples ({result['invalid_geometries']} geometries rejected by vLLM), "
         f"{result['steps']} scheduler steps, {result['wall_s']} s",
         f"  engine deaths {result['engine_deaths']} (kvguard code: {result['kvguard_deaths']}), "
-        f"stalls {result['stalls']}, requests lost {result['requests_lost']}, "
+        f"stalls {result['stalls']}, requests lost {result['requests_lost']}"
+        f", requests failed (ended with an error) {result.get('requests_failed', 0)}, "
         f"wrong-KV blocks {result['wrong_kv_blocks']}, kvguard bugs {result['kvguard_bugs']}",
     ]
     lab = result.get("harness_error")

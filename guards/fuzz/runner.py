@@ -253,6 +253,29 @@ def kvguard_did(actions: dict[str, int], died: int, count: int) -> list[str]:
     return out or ["none"]
 
 
+def _upstream_report(kind: str, name: str, path: Path, minimal: Trace, version: str) -> str | None:
+    """Write ``<slug>.md`` beside a wrong-KV class's trace (:mod:`.upstream`); its path, or None.
+
+    The minimal trace is replayed twice more: with the guard off (what vLLM alone serves)
+    and under policy ``observe`` (which kvguard invariant sees it; observe changes nothing).
+    Only a class whose unguarded replay shows wrong-KV blocks gets a report: a wrong-KV
+    class seen only with the guard on is a kvguard bug, reported as such.
+    """
+    from kvguard.guards.fuzz import upstream
+
+    if kind != cls.KIND_WRONG_KV:
+        return None
+    _, unguarded = run_example(minimal, guard=False)
+    if unguarded is None or not unguarded.wrong_kv_blocks:
+        return None
+    _, observed = run_example(minimal, guard=True, policy="observe")
+    md = path.with_suffix(".md")
+    md.write_text(upstream.render(class_name=name, trace_file=str(path), version=version,
+                                  unguarded=unguarded, observed=observed,
+                                  description=minimal.description or ""), encoding="utf-8")
+    return str(md)
+
+
 def _replay_summary(result: Any) -> dict[str, Any] | None:
     if result is None:
         return None
@@ -425,6 +448,8 @@ def fuzz(
         "engine_deaths": 0,
         "kvguard_deaths": 0,
         "requests_lost": 0,
+        # requests that ended with an error status: by vLLM (a failed load) or kvguard's degrade
+        "requests_failed": 0,
         "wrong_kv_blocks": 0,
         "stalls": 0,
         # examples replayed with geometry.async_scheduling (AsyncScheduler, batch queue 2)
@@ -463,6 +488,7 @@ def fuzz(
         totals["engine_deaths"] += int(not outcome.engine_survived)
         totals["kvguard_deaths"] += int(outcome.kvguard_death)
         totals["requests_lost"] += outcome.requests_lost
+        totals["requests_failed"] += outcome.requests_failed
         totals["wrong_kv_blocks"] += outcome.wrong_kv_blocks
         totals["stalls"] += int(any(f.kind == cls.KIND_STALL for f in outcome.findings))
         for f in outcome.findings:
@@ -523,6 +549,7 @@ def fuzz(
             path.write_text(minimal.dumps(), encoding="utf-8")
             # verify: read the file back the way `kvguard replay --trace FILE` does and replay it
             outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant)
+            report_path = _upstream_report(s.kind, name, path, minimal, version) if plant is None else None
             bug = sorted(s.kvguard_bug_reasons)
             out_classes.append(
                 {
@@ -544,6 +571,7 @@ def fuzz(
                     "kvguard_bug": bool(bug),
                     "kvguard_bug_reasons": bug,
                     "replay": _replay_summary(result),
+                    "upstream_report": report_path,
                 }
             )
     finally:

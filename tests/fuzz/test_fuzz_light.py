@@ -321,3 +321,39 @@ def test_drawn_layouts_share_one_extra_retained_tokens(monkeypatch):
     with determinism.pinned_constants():  # the draws do not depend on this process's imports
         hseed(5)(check)()
     assert seen["several"] >= 1  # the property was exercised, not vacuous
+
+
+
+def test_a_request_vllm_fails_after_its_load_failed_is_not_lost():
+    # vLLM 0.34.0 fails a request whose load the worker reported failed, kvguard's
+    # request_failed degrade fails one on 0.21.0 (measured: kvguard fuzz --guard seed 0
+    # counted each as a lost request, a stall, and the second as a kvguard bug)
+    from types import SimpleNamespace
+
+    from kvguard.guards.replay.harness import ReplayResult
+    from kvguard.guards.replay.jobs import PendingJob
+
+    def job(req_id: str, is_store: bool) -> PendingJob:
+        return PendingJob(job_id=1, is_store=is_store, ordinal=0, submit_step=1, due_step=2,
+                          success=False, req_id=req_id)
+
+    failed = [{"request_id": "b", "error": "FINISHED_ERROR (finish reason error)"}]
+    for jobs, by_vllm in (
+        ([job("b", False)], True),  # its own load failed: vLLM's degrade
+        ([job("b", True)], False),  # only a store failed: failed by someone else (kvguard)
+        ([job("a", False)], False),  # another request's load failed
+    ):
+        result = ReplayResult("0.34.0", "t", guard=True, policy="guard", submitted=2, finished=1,
+                              failed_requests=failed)
+        result.worker = SimpleNamespace(queue=SimpleNamespace(completed=jobs))
+        out = classes.classify(result, None, {})
+        # a failed request ended (with an error its client sees): never lost, no stall
+        assert (out.requests_lost, out.requests_failed) == (0, 1)
+        names = {f.name for f in out.findings}
+        assert ("request-failed after its load failed" in names) == by_vllm
+        assert "stall" not in names
+    # a request that neither finished nor failed is lost
+    result = ReplayResult("0.34.0", "t", guard=True, policy="guard", submitted=2, finished=1)
+    result.worker = SimpleNamespace(queue=SimpleNamespace(completed=[]))
+    out = classes.classify(result, None, {})
+    assert out.requests_lost == 1 and "stall" in {f.name for f in out.findings}

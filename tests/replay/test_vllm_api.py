@@ -185,3 +185,17 @@ def test_the_planted_fault_is_guard_code_not_the_lab():
     with pytest.raises(plant.PlantedFault) as raised:
         plant.planted_check("site", True)
     assert harness.harness_error_of(raised.value) is None
+
+
+def test_a_store_may_copy_the_null_block_a_load_may_not():
+    # vLLM 0.34.0's store builder keeps null pages inside a chunk as placeholders (measured:
+    # kvguard fuzz --guard seed 0 on 0.34.0 flagged such a store as an inconsistent spec, a
+    # false kvguard bug); a load into the null block stays inconsistent
+    from kvguard.guards.replay.worker import SpecRecord
+
+    store = SpecRecord(1, "r", True, group_sizes=[2, 2], block_indices=[0, 0], block_ids=[0, 5, 6, 7])
+    load = dataclasses.replace(store, is_store=False)
+    assert store.problems() == []
+    assert load.problems() == ["null block id 0 in a load's block_ids"]
+    short = dataclasses.replace(store, block_ids=[5, 6, 7])
+    assert short.problems() == ["sum(group_sizes)=4 != len(block_ids)=3"]

@@ -93,3 +93,28 @@ def test_observe_counts_and_strict_raises(policy: str) -> None:
         assert not result.engine_survived
         assert result.error.startswith("AssertionError: store coverage: group ")
         assert result.wrong_kv_blocks == 0
+
+
+def test_fuzz_writes_an_upstream_report_beside_the_trace(tmp_path: Path) -> None:
+    """``kvguard fuzz`` writes ``<slug>.md`` beside a wrong-KV trace (issue 22 item 2): what
+    vLLM alone serves (the oracle's offenders, as many as the release fact says), the
+    invariant that sees it under ``observe`` (``store_coverage``, with what a fix must
+    guarantee and the public references) and the replay commands. Where vLLM alone serves no
+    wrong KV with the trace, no report is written (a guarded-only class is a kvguard bug)."""
+    from kvguard.guards.fuzz import runner
+
+    trace = load_trace(str(TRACES / CASES[0][0]))
+    want = fact(CASES[0][1])
+    path = tmp_path / "wrong-kv-blocks.jsonl"
+    path.write_text(trace.dumps(), encoding="utf-8")
+    written = runner._upstream_report("wrong-kv", "wrong-kv blocks", path, trace, harness.vllm_version())
+    if not want:
+        assert written is None and not path.with_suffix(".md").exists()
+        return
+    assert written == str(path.with_suffix(".md"))
+    text = path.with_suffix(".md").read_text()
+    assert f"{want} GPU block(s)" in text
+    assert text.count("never-written") == min(want, 8)
+    assert "- `store_coverage` (" in text and "#42959" in text
+    assert "No kvguard invariant fired" not in text
+    assert "kvguard replay --trace wrong-kv-blocks.jsonl --no-guard" in text
