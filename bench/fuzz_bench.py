@@ -63,8 +63,8 @@ def table(pairs: list[tuple[dict, dict]]) -> list[str]:
     """The Markdown table: one row per release (unguarded search, guarded figures)."""
     rows = [
         "| vLLM | examples | steps | requests | vLLM alone: classes (wrong-KV blocks, deaths, lost) "
-        "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs | failed requests (ended with an error) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for plain, guarded in pairs:
         if "error" in plain or "error" in guarded:
@@ -74,7 +74,7 @@ def table(pairs: list[tuple[dict, dict]]) -> list[str]:
             f"| {guarded['vllm_version']} | {guarded['examples']} | {guarded['steps']} | {guarded['requests']} "
             f"| {_kinds(plain)} ({plain['wrong_kv_blocks']}, {plain['engine_deaths']}, {plain['requests_lost']}) "
             f"| {guarded['kvguard_deaths']} | {guarded['requests_lost']} | {guarded['wrong_kv_blocks']} "
-            f"| {guarded['kvguard_bugs']} |"
+            f"| {guarded['kvguard_bugs']} | {guarded.get('requests_failed', 0)} |"
         )
     return rows
 
@@ -104,6 +104,8 @@ def main() -> int:
             for c in r["classes"]:
                 did = f": kvguard {', '.join(c['kvguard_did'])}" if c.get("kvguard_did") else ""
                 lines.append(f"    {c['kind']:8} x{c['count']:<4} {c['class']}{did}")
+                if c.get("upstream_report"):
+                    lines.append(f"        upstream report: {c['upstream_report']}")
     if args.json:
         print(json.dumps({"seed": args.seed, "examples": args.examples, "pairs": pairs, "ok": ok}))
         print("\n".join(lines), file=sys.stderr)
