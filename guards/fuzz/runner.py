@@ -253,22 +253,31 @@ def kvguard_did(actions: dict[str, int], died: int, count: int) -> list[str]:
     return out or ["none"]
 
 
-def _upstream_report(kind: str, name: str, path: Path, minimal: Trace, version: str) -> str | None:
+def _upstream_report(kind: str, name: str, path: Path, minimal: Trace, version: str,
+                     guard: bool, policy: str) -> str | None:
     """Write ``<slug>.md`` beside a wrong-KV class's trace (:mod:`.upstream`); its path, or None.
 
     The minimal trace is replayed twice more: with the guard off (what vLLM alone serves)
     and under policy ``observe`` (which kvguard invariant sees it; observe changes nothing).
-    Only a class whose unguarded replay shows wrong-KV blocks gets a report: a wrong-KV
-    class seen only with the guard on is a kvguard bug, reported as such.
+    Each is prepared as the run itself is (:func:`prepare`: the guard installed or removed
+    before the engine is built; an engine built under the other setting keeps it), and the
+    fuzz run's own ``guard`` / ``policy`` are restored after. Only a class whose unguarded
+    replay shows wrong-KV blocks gets a report: a wrong-KV class seen only with the guard on
+    is a kvguard bug, reported as such.
     """
     from kvguard.guards.fuzz import upstream
 
     if kind != cls.KIND_WRONG_KV:
         return None
-    _, unguarded = run_example(minimal, guard=False)
-    if unguarded is None or not unguarded.wrong_kv_blocks:
-        return None
-    _, observed = run_example(minimal, guard=True, policy="observe")
+    try:
+        prepare(False, policy)
+        _, unguarded = run_example(minimal, guard=False)
+        if unguarded is None or not unguarded.wrong_kv_blocks:
+            return None
+        prepare(True, "observe")
+        _, observed = run_example(minimal, guard=True, policy="observe")
+    finally:
+        prepare(guard, policy)
     md = path.with_suffix(".md")
     md.write_text(upstream.render(class_name=name, trace_file=str(path), version=version,
                                   unguarded=unguarded, observed=observed,
@@ -549,7 +558,8 @@ def fuzz(
             path.write_text(minimal.dumps(), encoding="utf-8")
             # verify: read the file back the way `kvguard replay --trace FILE` does and replay it
             outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant)
-            report_path = _upstream_report(s.kind, name, path, minimal, version) if plant is None else None
+            report_path = (_upstream_report(s.kind, name, path, minimal, version, guard, policy)
+                           if plant is None else None)
             bug = sorted(s.kvguard_bug_reasons)
             out_classes.append(
                 {

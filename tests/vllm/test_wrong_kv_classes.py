@@ -107,7 +107,11 @@ def test_fuzz_writes_an_upstream_report_beside_the_trace(tmp_path: Path) -> None
     want = fact(CASES[0][1])
     path = tmp_path / "wrong-kv-blocks.jsonl"
     path.write_text(trace.dumps(), encoding="utf-8")
-    written = runner._upstream_report("wrong-kv", "wrong-kv blocks", path, trace, harness.vllm_version())
+    try:
+        written = runner._upstream_report("wrong-kv", "wrong-kv blocks", path, trace, harness.vllm_version(),
+                                          guard=True, policy="guard")
+    finally:
+        harness.uninstall_guard()
     if not want:
         assert written is None and not path.with_suffix(".md").exists()
         return
