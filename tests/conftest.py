@@ -10,8 +10,16 @@ cannot import would pass for the wrong reason. Tests marked ``vllm_server`` need
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+# One vLLM cache per environment. vLLM keeps the model-class inspection of each
+# architecture in one file under VLLM_CACHE_ROOT (``modelinfos/``), keyed by the hash of the
+# model's module: two releases tested side by side (the Makefile's two lanes) overwrote each
+# other's entry, so every engine build ran vLLM's inspection subprocess again (a second vLLM
+# import, about 25 s on this machine). Set before vLLM is imported; subprocesses inherit it.
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
 
 
 def _installed(dist: str) -> str | None:
