@@ -233,7 +233,12 @@ def test_seed_42945_straddling_store_as_the_worker_gets_it(expected: dict) -> No
 def test_text_progress_is_whole_lines() -> None:
     """Without ``--json`` the progress goes to stderr as whole lines, one per finished
     request, never a ``\\r`` line that the next JSON event line would be glued onto
-    (found by a newcomer reading ``make demo``'s output)."""
+    (found by a newcomer reading ``make demo``'s output). The progress is kvguard's own
+    formatting, the same whatever the release: run on the newest full release only (a
+    vLLM import in a subprocess, 30-60 s per release here; CI budget)."""
+    if _vllm_version() != "0.34.0":
+        pytest.skip(f"the CLI's text progress is kvguard's formatting: run on vLLM 0.34.0 only (CI budget); "
+                    f"installed {_vllm_version()}")
     script = Path(sys.executable).with_name("kvguard")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
     proc = subprocess.run([str(script), "replay", "--trace", "seed-48959"], capture_output=True,
