@@ -116,7 +116,6 @@ def death_class(exc_type: str, frames: list[Frame]) -> tuple[str, bool]:
     """
     if frames and frames[-1].in_kvguard:
         f = frames[-1]
-        path = f.filename.replace("\\", "/")
         rel = "guards/" + os.path.relpath(os.path.abspath(f.filename), KVGUARD_DIR).replace(os.sep, "/")
         return f"kvguard-raised {exc_type} in {rel}:{_qualname(f)}", True
     vllm_frames = [f for f in frames if f.vllm_path is not None]

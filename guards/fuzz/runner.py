@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvguard.guards.fuzz import classes as cls
-from kvguard.guards.fuzz.classes import ExampleOutcome, Finding
+from kvguard.guards.fuzz.classes import ExampleOutcome
 from kvguard.guards.fuzz.determinism import PINNED, pinned_constants
 from kvguard.guards.fuzz.shrink import shrink, size
 from kvguard.guards.replay.trace import Trace
