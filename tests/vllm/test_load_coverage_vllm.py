@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import sys
 import traceback
@@ -364,7 +366,9 @@ def _plant(cs: Any, request: Any, skip: set[tuple[int, int]] = frozenset()) -> N
     status.update_offload_keys()
     keys = [key for g, state in enumerate(status.group_states) for c, key in enumerate(state.offload_keys)
             if (g, c) not in skip]
-    with cs.manager.lock:
+    # 0.33.0+ managers guard their state with ``lock``; earlier ones have none (no
+    # concurrent caller there), so nothing to hold
+    with getattr(cs.manager, "lock", None) or contextlib.nullcontext():
         cs.manager.prepare_store(keys, status.req_context)
         cs.manager.complete_store(keys, status.req_context)
 
