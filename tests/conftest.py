@@ -19,7 +19,11 @@ import pytest
 # model's module: two releases tested side by side (the Makefile's two lanes) overwrote each
 # other's entry, so every engine build ran vLLM's inspection subprocess again (a second vLLM
 # import, about 25 s on this machine). Set before vLLM is imported; subprocesses inherit it.
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
+# Only in the replay environments (.venvs/vllm-X.Y.Z): the server environments (vllm-cpu,
+# live) keep vLLM's default cache, where their servers' compile caches stay warm.
+_env = os.path.basename(sys.prefix)
+if _env.startswith("vllm-") and not _env.startswith("vllm-cpu"):
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
 
 
 def _installed(dist: str) -> str | None:
