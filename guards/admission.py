@@ -180,11 +180,12 @@ import os
 import textwrap
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvguard.guards import names, runtime
 from kvguard.guards.rewrite import keyword_argument_names
+from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
 from kvguard.guards.load_coverage import (
     GroupGeometry,
     load_set,
@@ -208,7 +209,7 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_STAT_KEYS = ("evaluated", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
+_STAT_KEYS = ("evaluated", "reused", "hit_reduced", "continued", "raised", "recomputed_tokens", "unchecked")
 #: every key of _STAT_KEYS is always present, so the hot path increments with ``+= 1``
 _stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 _metrics: Any = None
@@ -219,6 +220,8 @@ _promotion_fit = True
 _promotion_progress = True
 #: Attribute cached on each connector scheduler instance (its plan or why it has none).
 _PLAN_ATTR = "_kvguard_admission_plan"
+#: verdicts kept per connector scheduler before the oldest are dropped (all at once: cheap, rare)
+_VERDICTS_MAX = 4096
 #: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
 _FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
 
@@ -335,6 +338,12 @@ class _Plan:
     #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
     policy: Any
     dict_attr: str | None
+    #: counts calls that may remove an entry the policy's ``get`` reads (:func:`_watch_removals`);
+    #: None: those calls could not be found, so no verdict is reused (:func:`admit` checks every lookup)
+    epoch: Epoch | None = None
+    #: request id -> ``(epoch.n, request's offload status, num_computed_tokens, hit)`` of its
+    #: last loadable verdict (:func:`admit` reuses it while all four are the same)
+    verdicts: dict = field(default_factory=dict)
 
     def getter(self) -> Callable[[Any], Any]:
         """``key -> entry | None``, side-effect free (a builtin ``dict.get`` when possible)."""
@@ -378,9 +387,9 @@ def _pure_dict_get(func: Any) -> list[str] | None:
     return [n.func.value.attr for n in ast.walk(body[0].value) if isinstance(n, ast.Call)]
 
 
-def _policy_reader(manager: Any) -> tuple[Any, str | None]:
-    """``(policy, dict attribute or None)``: how to read the manager's cache policy
-    without side effects (see :class:`_Plan`); Unsupported.
+def _policy_reader(manager: Any) -> tuple[Any, str | None, list[str]]:
+    """``(policy, dict attribute or None, every dict attribute its get reads)``: how to read
+    the manager's cache policy without side effects (see :class:`_Plan`); Unsupported.
 
     The owner is the manager, a wrapped one (``backing`` / ``_backing``), or the CPU tier
     of vLLM's ``TieringOffloadingManager`` (``primary_tier``, 0.25+: a lookup answers a
@@ -399,7 +408,7 @@ def _policy_reader(manager: Any) -> tuple[Any, str | None]:
             attrs = _pure_dict_get(cls.get)
             if attrs is not None:
                 single = len(attrs) == 1 and isinstance(getattr(policy, attrs[0], None), dict)
-                return policy, attrs[0] if single else None
+                return policy, attrs[0] if single else None, attrs
             raise Unsupported(names.SKIP_OFFLOAD_MANAGER, f"{cls.__qualname__}.get is not a plain dict read")
     raise Unsupported(names.SKIP_OFFLOAD_MANAGER, f"no cache policy with get/insert/remove on {type(manager).__qualname__}")
 
@@ -427,7 +436,8 @@ def _plan(cs: Any) -> _Plan:
     """Read each KV cache group's geometry off the connector scheduler; Unsupported."""
     groups = group_geometries(cs)
     fast = tuple((g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk, g.kept_tokens) for g in groups)
-    return _Plan(groups, fast, *_policy_reader(cs.manager))
+    policy, dict_attr, attrs = _policy_reader(cs.manager)
+    return _Plan(groups, fast, policy, dict_attr, _watch_removals(policy, attrs))
 
 
 def group_geometries(cs: Any) -> tuple[GroupGeometry, ...]:
@@ -622,6 +632,14 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
                 _skip(cs, names.CHECK_LOAD_COVERAGE, "", names.SKIP_PARTIAL_TAIL,
                       "a partial-tail hit loads a boundary key, not a chunk of load_coverage")
             return answer
+        epoch = plan.epoch
+        now = epoch.n if epoch is not None else None  # read before any entry (tier_removals)
+        if now is not None:
+            kept = plan.verdicts.get(request.request_id)
+            if (kept is not None and kept[0] == now and kept[1] is req_status
+                    and kept[2] == num_computed_tokens and kept[3] == hit):
+                _stats["reused"] += 1  # same question, nothing removed since: same verdict
+                return answer
         _stats["evaluated"] += 1
         num_cached = num_computed_tokens + hit
         dict_attr = plan.dict_attr
@@ -651,6 +669,11 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
             if not _span_loadable(get, span):
                 break
         else:
+            if now is not None:  # keep the verdict for vLLM's next lookup of this request
+                verdicts = plan.verdicts
+                if len(verdicts) >= _VERDICTS_MAX:
+                    verdicts.clear()
+                verdicts[request.request_id] = (now, req_status, num_computed_tokens, hit)
             return answer  # every group loadable: vLLM's answer, the same object
         return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer)
     except _StrictFailure as failure:
@@ -1176,12 +1199,14 @@ def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 def detach_all() -> None:
     """Remove every instance-level wrapper :func:`attach` set (vLLM's lookup is the class's
-    method again on those schedulers)."""
+    method again on those schedulers) and the cache policies' removal counters
+    (:func:`kvguard.guards.tier_removals.unwatch_all`: no kept verdict is reused after)."""
     for cs in list(_attached):
         attr = cs.__dict__.get("get_num_new_matched_tokens")
         if getattr(attr, "_self_wrapper", None) is admission_wrapper:
             del cs.__dict__["get_num_new_matched_tokens"]
     _attached.clear()
+    unwatch_removals()
 
 
 def unwrapped_lookup(cs: Any) -> tuple[Callable[..., Any], bool]:

@@ -1,4 +1,8 @@
-"""Site ids of the special sites as discovery names them where vLLM keeps them (tests/vllm)."""
+"""Helpers of tests/vllm: site ids of the special sites as discovery names them where vLLM
+keeps them, the #48959 seed geometry, and planting chunks in a real CPU tier."""
+
+import contextlib
+from typing import Any
 
 from kvguard.guards.rewrite import fingerprint_id
 
@@ -25,3 +29,21 @@ def seed_pending_blocks() -> int:
     tokens (window blocks ``[(98012 - 4096 + 1) // 32, cdiv(98012, 32))``: 129)."""
     first = (SEED_CACHED_TOKENS - SEED_WINDOW + 1) // SEED_BLOCK
     return -(-SEED_CACHED_TOKENS // SEED_BLOCK) - first
+
+
+def plant_in_cpu_tier(cs: Any, request: Any, skip: "set[tuple[int, int]] | frozenset" = frozenset()) -> Any:
+    """Store every chunk of ``request``'s prompt, in every group, in the real CPU tier of the
+    connector scheduler ``cs`` through the manager's own ``prepare_store`` /
+    ``complete_store`` (as a finished store job would), except the ``(group, chunk)`` pairs
+    in ``skip``. Returns the request's offload status (``group_states[g].offload_keys``)."""
+    cs.on_new_request(request)
+    status = cs._req_status.pop(request.request_id)
+    status.update_offload_keys()
+    keys = [key for g, state in enumerate(status.group_states) for c, key in enumerate(state.offload_keys)
+            if (g, c) not in skip]
+    # 0.33.0+ managers guard their state with ``lock``; earlier ones have none (no
+    # concurrent caller there), so nothing to hold
+    with getattr(cs.manager, "lock", None) or contextlib.nullcontext():
+        cs.manager.prepare_store(keys, status.req_context)
+        cs.manager.complete_store(keys, status.req_context)
+    return status

@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import dataclasses
 import sys
 import traceback
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guardtools_vllm import plant_in_cpu_tier
 
 from kvguard.guards import admission
 from kvguard.guards.load_coverage import GroupGeometry, load_set
@@ -358,19 +357,7 @@ def _hybrid_mamba_scheduler(tmp_path: Path, tpb: int, tpc: int, mode: str, secon
 
 
 def _plant(cs: Any, request: Any, skip: set[tuple[int, int]] = frozenset()) -> None:
-    """Store every chunk of ``request``'s prompt, in every group, in the real CPU tier
-    through the manager's own ``prepare_store`` / ``complete_store`` (as a finished store
-    job would), except the ``(group, chunk)`` pairs in ``skip``."""
-    cs.on_new_request(request)
-    status = cs._req_status.pop(request.request_id)
-    status.update_offload_keys()
-    keys = [key for g, state in enumerate(status.group_states) for c, key in enumerate(state.offload_keys)
-            if (g, c) not in skip]
-    # 0.33.0+ managers guard their state with ``lock``; earlier ones have none (no
-    # concurrent caller there), so nothing to hold
-    with getattr(cs.manager, "lock", None) or contextlib.nullcontext():
-        cs.manager.prepare_store(keys, status.req_context)
-        cs.manager.complete_store(keys, status.req_context)
+    plant_in_cpu_tier(cs, request, skip)
 
 
 def _drive(cs: Any, ends: dict[str, int]) -> None:
