@@ -53,6 +53,16 @@ __all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTI
 SWA_RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0)
 SITE_GAUGE_MULTIPROCESS_MODE = "max"
 
+
+def _bucket_labels() -> tuple[tuple[float, str], ...]:
+    from prometheus_client.utils import floatToGoString
+
+    return tuple((bound, floatToGoString(bound)) for bound in (*SWA_RATIO_BUCKETS, float("inf")))
+
+
+#: ``(upper bound, le label)`` of each histogram bucket, ``+Inf`` last
+_BUCKET_LABELS = _bucket_labels()
+
 _HELP = {
     names.METRIC_CHECK_EVALUATIONS: (
         "Evaluations of kvguard's exact-invariant checks (swa_pending_bound, mamba_state_limit). "
@@ -105,6 +115,7 @@ class _MmapBackend:
         self._tag = f"{self._pid}-{int(time.time() * 1000)}"
         self._files: dict[str, Any] = {}
         self._values: dict[tuple[str, str], float] = {}
+        self._keys: dict[tuple[Any, ...], str] = {}
 
     def _file(self, prefix: str) -> Any:
         pid = os.getpid()
@@ -128,7 +139,13 @@ class _MmapBackend:
         return f
 
     def _write(self, prefix: str, metric: str, sample: str, labels: dict[str, str], value: float | None, inc: float) -> None:
-        key = self._key(metric, sample, list(labels), list(labels.values()), _HELP.get(metric, _HELP.get(metric + "_total", "")))
+        # the library's key is JSON of the whole series (several us a write): made once per series
+        series = (metric, sample, *labels.items())
+        key = self._keys.get(series)
+        if key is None:
+            key = self._keys[series] = self._key(
+                metric, sample, list(labels), list(labels.values()), _HELP.get(metric, _HELP.get(metric + "_total", ""))
+            )
         with self._lock:
             f = self._file(prefix)
             cache_key = (prefix, key)
@@ -147,20 +164,16 @@ class _MmapBackend:
         self._write(f"gauge_{SITE_GAUGE_MULTIPROCESS_MODE}", name, name, labels, value, 0.0)
 
     def histogram(self, name: str, value: float) -> None:
-        from prometheus_client.utils import floatToGoString
-
         self._write("histogram", name, name + "_sum", {}, None, value)
-        for bound in (*SWA_RATIO_BUCKETS, float("inf")):
+        for bound, le in _BUCKET_LABELS:
             if value <= bound:
-                self._write("histogram", name, name + "_bucket", {"le": floatToGoString(bound)}, None, 1.0)
+                self._write("histogram", name, name + "_bucket", {"le": le}, None, 1.0)
                 break
 
     def precreate_histogram(self, name: str) -> None:
-        from prometheus_client.utils import floatToGoString
-
         self._write("histogram", name, name + "_sum", {}, None, 0.0)
-        for bound in (*SWA_RATIO_BUCKETS, float("inf")):
-            self._write("histogram", name, name + "_bucket", {"le": floatToGoString(bound)}, None, 0.0)
+        for _, le in _BUCKET_LABELS:
+            self._write("histogram", name, name + "_bucket", {"le": le}, None, 0.0)
 
 
 class _RegistryBackend:
@@ -191,12 +204,22 @@ class _RegistryBackend:
                 buckets=SWA_RATIO_BUCKETS, registry=registry,
             ),
         }
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, name: str, labels: dict[str, str]) -> Any:
+        # ``labels(**...)`` validates and looks the child up under a lock on every call:
+        # each series' child is kept after its first write
+        series = (name, *labels.items())
+        child = self._children.get(series)
+        if child is None:
+            child = self._children[series] = self._m[name].labels(**labels)
+        return child
 
     def counter(self, name: str, labels: dict[str, str], amount: float) -> None:
-        self._m[name].labels(**labels).inc(amount)
+        self._child(name, labels).inc(amount)
 
     def gauge_set(self, name: str, labels: dict[str, str], value: float) -> None:
-        self._m[name].labels(**labels).set(value)
+        self._child(name, labels).set(value)
 
     def histogram(self, name: str, value: float) -> None:
         self._m[name].observe(value)

@@ -411,13 +411,20 @@ def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int | None
     bpc = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor", None)
     bpc = int(bpc) if bpc is not None else None
     tpb = int(spec.block_size)
-    lineage = {cls.__name__ for cls in type(spec).__mro__}
-    if "SlidingWindowSpec" in lineage:
+    kind = _spec_kinds.get(type(spec))
+    if kind is None:
+        lineage = {cls.__name__ for cls in type(spec).__mro__}
+        kind = _spec_kinds[type(spec)] = (
+            "swa" if "SlidingWindowSpec" in lineage else "mamba" if "MambaSpec" in lineage else "other"
+        )
+    if kind == "swa":
         extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
         return ("swa", int(spec.sliding_window), tpb, bpc, extra)
-    if "MambaSpec" in lineage:
-        return ("mamba", 0, tpb, bpc, 0)
-    return ("other", 0, tpb, bpc, 0)
+    return (kind, 0, tpb, bpc, 0)
+
+
+#: KV cache spec class -> its kind for the window site ("swa", "mamba", "other"), by lineage
+_spec_kinds: dict[type, str] = {}
 
 
 def _vllm_window_bound(site: _SiteRT, context: dict[str, Any]) -> int | None:
