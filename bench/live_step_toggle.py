@@ -40,6 +40,10 @@ pair by pair:
   wraps are constructors). kvguard's rewritten code in the worker process is not
   switched (a passing check there is vLLM's own bytecode).
 
+The step time here has two modes (about 3.5 and 8 ms in the runs of 3 Dec 2026), so
+median(on)/median(off) jumps between them by a few percent either way (aa included); the
+figure to read is the median of per-pair ratios, whose pairs are adjacent steps.
+
 The rule of a figure: a part's step-time ratio on/off is read against the ``aa`` row of
 the same run; a part's cost is shown only where its ratios lie outside the ``aa`` row's
 spread (its 95% interval of the median per-pair ratio). Printed per part, for the
@@ -433,12 +437,6 @@ def main(argv: list[str] | None = None) -> int:
             facts["kvguard_sites_installed"] = int(sum(v for key, v in k.items() if key[0] == "kvguard_site_installed"))
         except (httpx.HTTPError, KeyError) as error:
             facts["kvguard_sidecar_error"] = str(error)
-        log_text = (root / "server" / "server.log").read_text(errors="replace")
-        for needle in ("max_num_batched_tokens=", "max_num_batched_tokens: "):
-            at = log_text.find(needle)
-            if at >= 0:
-                facts["max_num_batched_tokens"] = log_text[at + len(needle):].split(",")[0].split()[0]
-                break
     finally:
         server.stop()
         facts["load_avg_end"] = os.getloadavg()
@@ -457,8 +455,20 @@ def main(argv: list[str] | None = None) -> int:
     results, found = analyse(rows, w0, w1, args.min_pairs) if not problems else ({}, [])
     problems += found
     window = [r for r in rows if w0 <= r["t"] <= w1]
-    facts["steps_in_window"] = {"working": sum(1 for r in window if r["work"]),
-                                "idle": sum(1 for r in window if not r["work"])}
+    working = [r for r in window if r["work"]]
+    facts["steps_in_window"] = {"working": len(working), "idle": len(window) - len(working)}
+    if working:
+        def q(key: str, scale: float = 1.0) -> list[float]:
+            xs = sorted(scale * r[key] for r in working)
+            return [round(xs[int(f * (len(xs) - 1))], 3) for f in (0.1, 0.5, 0.9)]
+
+        facts["steps"] = {
+            "wall_ms_p10_p50_p90": q("wall_s", 1e3), "sched_ms_p10_p50_p90": q("sched_wall_s", 1e3),
+            "scheduled_tokens_p10_p50_p90": q("sched_tokens"), "scheduled_reqs_p10_p50_p90": q("sched_reqs"),
+            "waiting_p10_p50_p90": q("waiting"),
+            "share_with_admission_check": round(sum(1 for r in working if r["adm_checks"] > 0) / len(working), 3),
+            "share_with_window_eval": round(sum(1 for r in working if r["window_evals"] > 0) / len(working), 3),
+        }
     delta = {k: v - offload_figures(m0).get(k, 0.0) for k, v in offload_figures(m1).items()}
     facts["vllm_window"] = {k: round(v, 3) for k, v in sorted(delta.items()) if v}
     loads = delta.get("vllm:kv_offload_load_bytes_total", 0)
@@ -488,6 +498,17 @@ def print_report(out: dict) -> None:
           f"{s['gpu_block_tokens']} tokens; workload {w['conversations']} clients x {w['turns']} turns "
           f"({w['system_tokens']} shared + {w['user_tokens']}/turn, {w['max_tokens']} out), "
           f"counted {w['duration']:.0f} s")
+    su = out.get("setup") or {}
+    print(f"  engine: {su.get('engine_class')}.{su.get('step_fn')}, executor {su.get('executor')}, "
+          f"max_num_seqs {su.get('max_num_seqs')}, max_num_batched_tokens {su.get('max_num_batched_tokens')}, "
+          f"async scheduling {su.get('async_scheduling')}; {su.get('code_patches')} rewritten functions, "
+          f"admission wrapper on {su.get('connector_scheduler')}")
+    st = out.get("steps")
+    if st:
+        print(f"  working steps p10/p50/p90: wall {st['wall_ms_p10_p50_p90']} ms, sched {st['sched_ms_p10_p50_p90']} ms, "
+              f"scheduled tokens {st['scheduled_tokens_p10_p50_p90']}, requests {st['scheduled_reqs_p10_p50_p90']}, "
+              f"waiting {st['waiting_p10_p50_p90']}; with an admission check {100 * st['share_with_admission_check']:.0f}%, "
+              f"a window-check evaluation {100 * st['share_with_window_eval']:.0f}%")
     v = out["vllm_window"]
     print(f"  counted window: {out['steps_in_window']['working']} working steps "
           f"({out['steps_in_window']['idle']} idle); offload loads "

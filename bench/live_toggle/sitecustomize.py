@@ -135,6 +135,11 @@ class _Bench:
             info["step_fn"] = getattr(getattr(engine, "step_fn", None), "__name__", None)
             self.admission, self.runtime = admission, runtime
             sched = engine.scheduler
+            cfg = getattr(sched, "scheduler_config", None)
+            info["max_num_seqs"] = getattr(cfg, "max_num_seqs", None)
+            info["max_num_batched_tokens"] = getattr(cfg, "max_num_batched_tokens", None)
+            info["async_scheduling"] = getattr(cfg, "async_scheduling", None)
+            info["executor"] = type(getattr(engine, "model_executor", None)).__qualname__
             conn = getattr(sched, "connector", None)
             cs = getattr(conn, "connector_scheduler", None)
             info["connector"] = type(conn).__qualname__ if conn is not None else None
