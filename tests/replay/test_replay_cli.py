@@ -1,9 +1,13 @@
 """`kvguard replay` against the installed vLLM: the proofs of issue 2, item 6.
 
-Each case runs the real console script as a subprocess (``kvguard replay --json``) in
-the vLLM environment under test, once per (trace, guard on/off). The outcome each case
-must give is computed from what the installed release's code says, never from a table
-keyed by release (issue 20, item 4):
+Each case runs ``kvguard replay --json`` once per (trace, guard on/off) in the vLLM
+environment under test: seed-48959 with the guard through the real console script in a
+fresh process (the installed entry point, the plugin installed before vLLM's scheduler
+is imported, and stdout holding nothing but the report, on every release), the others
+in this process through click's runner (the same click group; a subprocess costs a
+fresh vLLM import, about 20-35 s per case per release here: CI budget). The outcome each
+case must give is computed from what the installed release's code says, never from a
+table keyed by release (issue 20, item 4):
 
 - seed-48959 (vLLM #48959): the 129-block load is legal. Where the release's own window
   assert allows fewer blocks (its bound, read from its code by
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from kvguard.guards import names
 
@@ -88,24 +93,71 @@ def expected() -> dict[tuple[str, str], Expect]:
     return expected_outcomes()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_guard_state():
+    """The in-process replays install kvguard into vLLM's code for the whole process (as
+    the plugin does inside EngineCore): after this module, remove it and restore
+    ``KVGUARD_DISABLE``, so the next module starts with vLLM's own code (as in
+    tests/vllm/conftest.py)."""
+    saved = os.environ.get("KVGUARD_DISABLE")
+    yield
+    if "kvguard.guards.replay.harness" in sys.modules:
+        sys.modules["kvguard.guards.replay.harness"].uninstall_guard()
+    if saved is None:
+        os.environ.pop("KVGUARD_DISABLE", None)
+    else:
+        os.environ["KVGUARD_DISABLE"] = saved
+
+
+#: the one case run through the real console script in a fresh process (every release)
+CONSOLE_SCRIPT_CASE = ("seed-48959", GUARD)
+
+
+def _cli_env() -> dict[str, str | None]:
+    """The environment of an in-process run, as the subprocess gets it: no ``KVGUARD_*``
+    variable (None: unset during the run). The variables the command sets for vLLM are
+    listed with their current values, so click's runner restores them afterwards."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVGUARD_")}
+    for k in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL"):
+        env[k] = os.environ.get(k)
+    return env
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """``kvguard <args>`` in this process through the console script's click group
+    (click's runner); (exit code, stdout, stderr)."""
+    from kvguard.sidecar.cli import main
+
+    res = CliRunner().invoke(main, args, env=_cli_env(), catch_exceptions=False)
+    return res.exit_code, res.stdout, res.stderr
+
+
+def run_console_script(args: list[str]) -> tuple[int, str, str]:
+    """The installed ``kvguard`` console script in a fresh process; (exit code, stdout, stderr)."""
+    script = Path(sys.executable).with_name("kvguard")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+    proc = subprocess.run([str(script), *args], capture_output=True, text=True, env=env, timeout=900)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 _RUNS: dict[tuple[str, str], tuple[int, dict[str, Any], str]] = {}
 
 
 def replay(trace: str, mode: str) -> tuple[int, dict[str, Any], str]:
-    """Run ``kvguard replay --json`` once per (trace, mode); (exit code, object, stderr)."""
+    """Run ``kvguard replay --json`` once per (trace, mode); (exit code, object, stderr).
+    :data:`CONSOLE_SCRIPT_CASE` runs the real console script as a subprocess, the others
+    run in this process."""
     key = (trace, mode)
     if key not in _RUNS:
-        script = Path(sys.executable).with_name("kvguard")
-        args = [str(script), "replay", "--json", "--trace", trace]
+        args = ["replay", "--json", "--trace", trace]
         if mode == NO_GUARD:
             args.append("--no-guard")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+        code, stdout, stderr = (run_console_script if key == CONSOLE_SCRIPT_CASE else run_cli)(args)
         try:
-            obj = json.loads(proc.stdout)  # the whole stdout is exactly one JSON object
+            obj = json.loads(stdout)  # the whole stdout is exactly one JSON object
         except json.JSONDecodeError:
-            pytest.fail(f"stdout is not one JSON object: {proc.stdout[-2000:]!r}\n{proc.stderr[-4000:]}")
-        _RUNS[key] = (proc.returncode, obj, proc.stderr)
+            pytest.fail(f"stdout is not one JSON object: {stdout[-2000:]!r}\n{stderr[-4000:]}")
+        _RUNS[key] = (code, obj, stderr)
     return _RUNS[key]
 
 
@@ -234,21 +286,19 @@ def test_text_progress_is_whole_lines() -> None:
     """Without ``--json`` the progress goes to stderr as whole lines, one per finished
     request, never a ``\\r`` line that the next JSON event line would be glued onto
     (found by a newcomer reading ``make demo``'s output). The progress is kvguard's own
-    formatting, the same whatever the release: run on the newest full release only (a
-    vLLM import in a subprocess, 30-60 s per release here; CI budget)."""
+    formatting, the same whatever the release: run on the newest full release only, in
+    this process through click's runner (the console script in a fresh process is proven
+    by :data:`CONSOLE_SCRIPT_CASE`; CI budget)."""
     if _vllm_version() != "0.34.0":
         pytest.skip(f"the CLI's text progress is kvguard's formatting: run on vLLM 0.34.0 only (CI budget); "
                     f"installed {_vllm_version()}")
-    script = Path(sys.executable).with_name("kvguard")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-    proc = subprocess.run([str(script), "replay", "--trace", "seed-48959"], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "\r" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("  replaying: ")]
+    code, _stdout, stderr = run_cli(["replay", "--trace", "seed-48959"])
+    assert code == 0, stderr[-3000:]
+    assert "\r" not in stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("  replaying: ")]
     finished = [int(ln.split("replaying: ")[1].split("/")[0]) for ln in lines]
     # one line per finished count: strictly increasing, at most the trace's 4 requests
     assert finished and finished == sorted(set(finished)) and finished[-1] <= 4
     # every kvguard event line on stderr is one JSON object on its own line
-    events = [ln for ln in proc.stderr.splitlines() if '"logger": "kvguard"' in ln]
+    events = [ln for ln in stderr.splitlines() if '"logger": "kvguard"' in ln]
     assert events and all(json.loads(ln)["logger"] == "kvguard" for ln in events)
