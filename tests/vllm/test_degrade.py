@@ -1,7 +1,12 @@
 """Request-scoped degrade on the real scheduler (issue 9 items 2-4; each .venvs/vllm-* env).
 
-Each test replays a trace twice in one fresh process (``degrade_replay.py``): vLLM alone
-(``--no-guard``), then with the guard (policy ``guard``).
+Each test replays a trace twice (``degrade_replay.py``): vLLM alone (``--no-guard``), then
+with the guard (policy ``guard``). The planted trace runs in a fresh process (the planted
+copy of the scheduler module must be put on the path before anything imports vLLM's); the
+two natural traces run in this pytest process, from the same starting state as a fresh
+process (no guard installed, ``KVGUARD_STATE_DIR`` unset, the Prometheus counters read as
+increments since the start of the pair of replays): a subprocess costs a fresh vLLM
+import, about 20-35 s per trace per release here (CI budget).
 
 - store class (vLLM #49118): ``traces/abort-queued-49118.jsonl`` aborts a request that is
   still queued (its lookup ran, so its offload keys exist; it was never given GPU
@@ -70,6 +75,8 @@ def _two_phase_allocation() -> bool:
 
 
 def _run(trace: str, *extra: str) -> dict:
+    """``degrade_replay.py`` in a fresh process (the planted trace: it must plant before
+    vLLM's scheduler module is imported, which this pytest process has done already)."""
     proc = subprocess.run(
         [sys.executable, str(HERE / "degrade_replay.py"), str(HERE / "traces" / trace), *extra],
         capture_output=True, text=True, timeout=900,
@@ -79,14 +86,47 @@ def _run(trace: str, *extra: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _run_here(trace: str) -> dict:
+    """What ``degrade_replay.py TRACE`` prints, computed in this process (no planting).
+
+    As in the fresh process: no guard installed before the no-guard replay (an earlier
+    replay here leaves its guard installed), ``KVGUARD_STATE_DIR`` unset, and each
+    replay's ``violations`` the series' increments since the pair started (the process's
+    registry counts earlier tests' violations too); the result passes through JSON as the
+    ``RESULT`` line does."""
+    import degrade_replay  # tests/vllm, beside this module
+
+    from kvguard.guards.replay.harness import uninstall_guard
+    from kvguard.guards.replay.trace import load_trace
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(check, action): value for check, action, value in degrade_replay._violations()}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KVGUARD_STATE_DIR", raising=False)
+        uninstall_guard()
+        loaded = load_trace(str(HERE / "traces" / trace))
+        before = counts()
+        out: dict = {}
+        for mode, guard in (("no_guard", False), ("guard", True)):
+            report = degrade_replay.replay(loaded, guard=guard)
+            report["violations"] = sorted(
+                [check, action, value - before.get((check, action), 0.0)]
+                for (check, action), value in counts().items()
+                if value != before.get((check, action), 0.0)
+            )
+            out[mode] = report
+    return json.loads(json.dumps(out))
+
+
 @pytest.fixture(scope="module")
 def abort_queued():
-    return _run("abort-queued-49118.jsonl")
+    return _run_here("abort-queued-49118.jsonl")
 
 
 @pytest.fixture(scope="module")
 def local_external():
-    return _run("local-external-43884.jsonl")
+    return _run_here("local-external-43884.jsonl")
 
 
 @pytest.fixture(scope="module")
