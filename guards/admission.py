@@ -64,6 +64,23 @@ cost, about three times the warm one (the first call after vLLM's code ran: 8.4 
 against 2.8 us for ``admit`` alone on 0.33.0, 2 Dec 2026); the README's Benchmark
 section has the step-time figures.
 
+Kept verdicts (issue 21): vLLM looks a waiting request up again on every step until its
+GPU blocks fit (the head of the queue: 1,424 of the 1,624 checked lookups of the bench
+trace on 0.33.0, 3 Dec 2026). A loadable verdict is kept per request with
+``(epoch, the request's offload status object, num_computed_tokens, hit)`` and reused
+(counted ``reused``, no entry read) while all four are the same; ``epoch`` counts the
+cache policy's calls that may take an entry out (:mod:`kvguard.guards.tier_removals`,
+derived from the policy's source; read before any entry is read). Sound because a ready
+entry stays ready until it is removed, and a removal bumps the epoch: proven on every
+full release by ``tests/vllm/test_admission_verdicts.py`` (a full tier's eviction and
+``reset_cache`` re-run the check and cut the hit; ``complete_store(success=False)`` cannot
+take a ready chunk). Not kept: a failed verdict (each lookup is checked and counted), a
+partial-tail hit, a deferred answer. vLLM 0.34.0 may run ``prepare_load`` a step after
+admission (deferred loads): a reused verdict is as current as a fresh check at the same
+lookup, since nothing was removed in between; what happens after admission is the store
+and load checks' business, as without reuse. Where the policy's removal calls cannot be
+derived (no source, a property, someone else's instance attribute) nothing is reused.
+
 When every chunk is loadable, vLLM's answer is returned untouched (the same tuple
 object). Otherwise, by policy:
 

@@ -36,9 +36,8 @@ def plant_in_cpu_tier(cs: Any, request: Any, skip: "set[tuple[int, int]] | froze
     connector scheduler ``cs`` through the manager's own ``prepare_store`` /
     ``complete_store`` (as a finished store job would), except the ``(group, chunk)`` pairs
     in ``skip``. Returns the request's offload status (``group_states[g].offload_keys``)."""
-    cs.on_new_request(request)
-    status = cs._req_status.pop(request.request_id)
-    status.update_offload_keys()
+    status = offload_status(cs, request)
+    del cs._req_status[request.request_id]
     keys = [key for g, state in enumerate(status.group_states) for c, key in enumerate(state.offload_keys)
             if (g, c) not in skip]
     # 0.33.0+ managers guard their state with ``lock``; earlier ones have none (no
@@ -46,4 +45,20 @@ def plant_in_cpu_tier(cs: Any, request: Any, skip: "set[tuple[int, int]] | froze
     with getattr(cs.manager, "lock", None) or contextlib.nullcontext():
         cs.manager.prepare_store(keys, status.req_context)
         cs.manager.complete_store(keys, status.req_context)
+    return status
+
+
+def offload_status(cs: Any, request: Any) -> Any:
+    """The connector scheduler's offload status of a new ``request`` (its ``_req_status``
+    entry, offload keys computed): made by ``on_new_request`` where the release has one
+    (0.25+), else by vLLM's own first lookup of the request (0.21.0 makes it there; no
+    step lock is taken on that release)."""
+    if callable(getattr(cs, "on_new_request", None)):
+        cs.on_new_request(request)
+    else:
+        from kvguard.guards import admission
+
+        admission.unwrapped_lookup(cs)[0](request, 0)
+    status = cs._req_status[request.request_id]
+    status.update_offload_keys()
     return status

@@ -25,7 +25,7 @@ import contextlib
 from typing import Any
 
 import pytest
-from guardtools_vllm import plant_in_cpu_tier
+from guardtools_vllm import offload_status, plant_in_cpu_tier
 
 from kvguard.guards import admission
 from kvguard.guards.load_coverage import load_set
@@ -41,14 +41,19 @@ GEOMETRY = Geometry(tokens_per_block=TPB, tokens_per_chunk=TPC, sliding_window=W
                     max_model_len=16384, vocab_size=32000)
 
 
+@pytest.fixture(autouse=True)
+def every_chunk_read(monkeypatch):
+    """Every chunk of a load set read; the guard uninstalled after each test."""
+    monkeypatch.setattr(admission, "_FULL", True)
+    yield
+    harness.uninstall_guard()
+
+
 @pytest.fixture()
-def engine(monkeypatch):
+def engine():
     harness.uninstall_guard()
     assert harness.install_guard("guard")
-    monkeypatch.setattr(admission, "_FULL", True)
-    built = harness.build_engine(GEOMETRY)
-    yield built
-    harness.uninstall_guard()
+    return harness.build_engine(GEOMETRY)
 
 
 def _prompt(seed: int, tokens: int) -> list[int]:
@@ -65,9 +70,7 @@ def _kept_verdict(engine: Any) -> tuple[Any, Any, tuple, list]:
     prompt = _prompt(1, CHUNKS * TPC)
     plant_in_cpu_tier(cs, vllm_api.make_request(engine.block_hasher, "plant", prompt, 1))
     request = vllm_api.make_request(engine.block_hasher, "victim", prompt + _prompt(2, TPC), 1)
-    cs.on_new_request(request)
-    status = cs._req_status[request.request_id]
-    status.update_offload_keys()
+    status = offload_status(cs, request)
     admission.reset()
     answer = (CHUNKS * TPC, True)
     assert admission.admit(cs, request, 0, answer) is answer
@@ -95,8 +98,8 @@ def _rechecked_and_cut(cs: Any, request: Any, answer: tuple) -> None:
     assert after["hit_reduced"] == before["hit_reduced"] + 1
 
 
-def test_a_full_tiers_eviction_reruns_the_check(engine):
-    cs, request, answer, keys = _kept_verdict(engine)
+def _evict_by_storing(engine: Any, cs: Any, keys: list) -> None:
+    """Store filler prompts in the full tier until the manager's policy evicts a load-set key."""
     get = _policy_get(cs)
     filler = 0
     while all(get(key) is not None for key in keys):
@@ -104,17 +107,32 @@ def test_a_full_tiers_eviction_reruns_the_check(engine):
         assert filler < 20, "the manager never evicted a chunk of the load set"
         plant_in_cpu_tier(cs, vllm_api.make_request(engine.block_hasher, f"filler-{filler}",
                                                     _prompt(100 + filler, 2 * TPC), 1))
-    _rechecked_and_cut(cs, request, answer)
 
 
-def test_reset_cache_reruns_the_check(engine):
-    cs, request, answer, keys = _kept_verdict(engine)
-    if not callable(getattr(cs.manager, "reset_cache", None)):
-        pytest.skip(f"vLLM {engine.version}: the offload manager has no reset_cache")
+def _reset_cache(engine: Any, cs: Any, keys: list) -> None:
     with getattr(cs.manager, "lock", None) or contextlib.nullcontext():
         cs.manager.reset_cache()
     assert all(_policy_get(cs)(key) is None for key in keys)
-    _rechecked_and_cut(cs, request, answer)
+
+
+def test_every_way_the_manager_removes_a_chunk_reruns_the_check():
+    """Each removal path the installed manager has, each on a fresh engine: a full tier's
+    ``prepare_store`` (every release) and ``reset_cache`` (where the manager has it)."""
+    paths = {"prepare_store eviction": _evict_by_storing}
+    harness.uninstall_guard()
+    built = harness.build_engine(GEOMETRY)
+    if callable(getattr(built.connector_scheduler.manager, "reset_cache", None)):
+        paths["reset_cache"] = _reset_cache
+    for name, remove in paths.items():
+        harness.uninstall_guard()
+        assert harness.install_guard("guard")
+        engine = harness.build_engine(GEOMETRY)
+        cs, request, answer, keys = _kept_verdict(engine)
+        remove(engine, cs, keys)
+        try:
+            _rechecked_and_cut(cs, request, answer)
+        except AssertionError as error:
+            raise AssertionError(f"after {name}: {error}") from None
 
 
 def test_a_failed_store_cannot_take_a_ready_chunk(engine):
