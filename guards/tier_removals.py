@@ -134,6 +134,20 @@ def removal_calls(cls: type, attrs: list[str]) -> dict[str, tuple[int, str] | No
     methods = _methods(cls)
     if methods is None:
         return None
+    # cached by the very function objects read (a patched method is a new key): parsing
+    # the sources costs about 20 ms, paid once per engine, but per replay in the fuzzer
+    cache_key = (frozenset(methods.items()), tuple(attrs))
+    if cache_key not in _FOUND:
+        _FOUND[cache_key] = _derive(methods, attrs)
+    found = _FOUND[cache_key]
+    return dict(found) if found is not None else None
+
+
+#: :func:`removal_calls`' answers by (the methods read, the dict attributes)
+_FOUND: dict[tuple[frozenset, tuple[str, ...]], dict[str, tuple[int, str] | None] | None] = {}
+
+
+def _derive(methods: dict[str, Any], attrs: list[str]) -> dict[str, tuple[int, str] | None] | None:
     direct: dict[str, tuple[int, str] | None] = {}
     calls: dict[str, set[str]] = {}
     for name, func in methods.items():

@@ -105,3 +105,18 @@ def test_a_method_someone_else_replaced_is_left_alone():
     policy.remove = lambda key: None  # another tool's instance attribute
     assert tier_removals.watch(policy, ["chunks"]) is None
     assert "_kvguard_removal_epoch" not in vars(policy)
+
+
+def test_the_derivation_is_kept_per_method_set_and_a_new_method_is_read_again(monkeypatch):
+    """:func:`removal_calls` parses each policy class once (about 20 ms per engine, but per
+    replay in the fuzzer); a class whose method was replaced is a new question."""
+    first = tier_removals.removal_calls(Policy, ["chunks"])
+    first["size"] = None  # the caller's copy: the kept answer is not changed through it
+    assert "size" not in tier_removals.removal_calls(Policy, ["chunks"])
+
+    def size(self) -> int:
+        self.chunks.popitem()  # now a remover: must be found, not answered from the cache
+        return len(self.chunks)
+
+    monkeypatch.setattr(Policy, "size", size)
+    assert tier_removals.removal_calls(Policy, ["chunks"])["size"] is None
