@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from guardstate import restored_guard_state
 
 from kvguard.guards import names
 
@@ -99,14 +100,7 @@ def _restore_guard_state():
     the plugin does inside EngineCore): after this module, remove it and restore
     ``KVGUARD_DISABLE``, so the next module starts with vLLM's own code (as in
     tests/vllm/conftest.py)."""
-    saved = os.environ.get("KVGUARD_DISABLE")
-    yield
-    if "kvguard.guards.replay.harness" in sys.modules:
-        sys.modules["kvguard.guards.replay.harness"].uninstall_guard()
-    if saved is None:
-        os.environ.pop("KVGUARD_DISABLE", None)
-    else:
-        os.environ["KVGUARD_DISABLE"] = saved
+    yield from restored_guard_state()
 
 
 #: the one case run through the real console script in a fresh process (every release)

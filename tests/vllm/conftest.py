@@ -8,20 +8,11 @@ leaves behind, the next module starts with vLLM's own code and the environment i
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
+from guardstate import restored_guard_state
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_guard_state():
     """After each module: uninstall the guard if one is installed, restore ``KVGUARD_DISABLE``."""
-    saved = os.environ.get("KVGUARD_DISABLE")
-    yield
-    if "kvguard.guards.replay.harness" in sys.modules:
-        sys.modules["kvguard.guards.replay.harness"].uninstall_guard()
-    if saved is None:
-        os.environ.pop("KVGUARD_DISABLE", None)
-    else:
-        os.environ["KVGUARD_DISABLE"] = saved
+    yield from restored_guard_state()
