@@ -53,16 +53,23 @@ chunk loads one chunk more, to the left, that the lookup never looked up; 0.33.0
 the first window by ``load_window_size_in_chunks``), and a driven hit of the replay
 harness moves the load set left of the window the lookup confirmed.
 
-Cost per call (the hot path of :func:`admit`): the chunk bounds are computed inline,
-the plan is read off the scheduler's ``__dict__`` and the counters are incremented
-without a call; measured on 0.33.0 on the bench trace (1 Dec 2026, same process, same
-live state, old and new code interleaved): 2.9 us warm against 3.1 us before. The
-wrapper: each scheduler built after install carries its own pre-bound ``wrapt`` wrapper
-(:func:`attach`: no descriptor binding per call), and ``request`` / ``num_computed_tokens``
-are read from the positions of vLLM's signature (:class:`_Binder`). What a step pays is the cold
-cost, about three times the warm one (the first call after vLLM's code ran: 8.4 us median
-against 2.8 us for ``admit`` alone on 0.33.0, 2 Dec 2026); the README's Benchmark
-section has the step-time figures.
+Where the check runs (issue 21): in vLLM's own lookup. The instrumentor rewrites each
+``return <answer>`` of ``get_num_new_matched_tokens`` into ``return
+admit_return(self, request, num_computed_tokens, <answer>)`` (the ``admission_return``
+kind of :mod:`kvguard.guards.rewrite`, compiled with the function's other sites, vLLM's
+file and lines kept), so a lookup pays one call and no wrapper frame, no ``wrapt`` proxy
+and no argument binding: on the bench trace of 0.33.0 (3 Dec 2026, ``bench/step_toggle.py``)
+the admission part cost about 2.5% of the median step through the pre-bound ``wrapt``
+wrapper and about 1% in the code (the README's Benchmark section has the figures).
+The rewrite applies where the method's parameters are named ``request`` and
+``num_computed_tokens`` and never rebound (read off its ``def``; every full release
+0.21.0-0.34.0 qualifies); elsewhere the fallback is the ``wrapt`` wrap
+(:func:`admission_wrapper`, arguments bound by ``inspect.signature`` positions:
+:class:`_Binder`), with each scheduler pre-bound (:func:`attach`). Under vLLM's tiering a
+scheduler also gets a recording wrapper (:func:`recording_wrapper`): the promotion checks
+of a deferred answer need the manager's per-key answers of that very call. In
+:func:`admit` the chunk bounds are computed inline, the plan is read off the scheduler's
+``__dict__`` and the counters are incremented without a call.
 
 Kept verdicts (issue 21): vLLM looks a waiting request up again on every step until its
 GPU blocks fit (the head of the queue: 1,424 of the 1,624 checked lookups of the bench
@@ -192,6 +199,7 @@ the KV-content oracle (``wrong_kv_blocks`` 0) and the request's generated tokens
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import textwrap
@@ -201,7 +209,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvguard.guards import names, runtime
-from kvguard.guards.rewrite import keyword_argument_names
+from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, keyword_argument_names
 from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
 from kvguard.guards.load_coverage import (
     GroupGeometry,
@@ -212,6 +220,9 @@ from kvguard.guards.load_coverage import (
 __all__ = [
     "admission_wrapper",
     "admit",
+    "admit_return",
+    "admits_inline",
+    "recording_wrapper",
     "configure",
     "unconfigure",
     "snapshot",
@@ -1141,6 +1152,72 @@ def _bind(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
     return binder.bind(args, kwargs)
 
 
+#: > 0 while :func:`unwrapped_lookup`'s call of vLLM's lookup runs (the replay harness'
+#: driven hits: it caps the answer, then admits it itself). A module global, not a
+#: thread-local, read once per answer: vLLM's scheduler makes its lookups from one thread.
+_suspended = 0
+
+
+def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
+    """The admission check where vLLM's rewritten lookup calls it: on each ``return`` of
+    ``get_num_new_matched_tokens`` (the ``admission_return`` rewrite of
+    :mod:`kvguard.guards.rewrite`; issue 21: no wrapper frame, no argument binding).
+
+    ``cs``, ``request``, ``num_computed_tokens``: the method's own ``self`` and arguments
+    (tokens); ``answer``: the ``(num_external_tokens | None, load_async)`` it is returning.
+    Returns what the method returns instead: :func:`admit`'s result for a hit (or a
+    deferred answer under vLLM's tiering), ``answer`` itself otherwise. Under vLLM's
+    tiering the manager's per-key answers of this very call come from the
+    :class:`_LookupRecorder` the scheduler's recording wrapper (:func:`attach`) put on
+    the manager for its length (``seen``; None without one: a deferred answer is then
+    passed through unchecked). Raises ``AssertionError`` only under ``strict`` (from
+    :func:`admit`); an error of kvguard's counts ``stage="admission"`` and returns ``answer``.
+    """
+    if _suspended:
+        return answer
+    try:
+        tiering = cs.__dict__.get(_TIERING_ATTR, _UNSET)
+        if tiering is _UNSET:
+            tiering = _tiering_of(cs)
+        seen = None
+        if tiering is not None:
+            recorder = tiering.manager.__dict__.get("lookup")
+            if recorder.__class__ is _LookupRecorder:
+                seen = recorder.seen
+        if seen is None and not answer[0]:  # None (deferred) or 0: no hit to check
+            return answer
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        return answer
+    return admit(cs, request, num_computed_tokens, answer, seen)
+
+
+def admits_inline(method: Any) -> bool:
+    """True when ``method`` (a connector scheduler class's ``get_num_new_matched_tokens``,
+    as ``inspect.getattr_static`` finds it) is vLLM's function with kvguard's
+    ``admission_return`` rewrite in its code (it reads the injected check by name)."""
+    code = getattr(method, "__code__", None)
+    return code is not None and GLOBAL_ADMIT_RETURN in code.co_names
+
+
+def recording_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapt`` wrapper of a tiering connector scheduler's own (rewritten) lookup: runs it
+    inside :func:`record_lookup`, so :func:`admit_return` reads what the tiering manager's
+    ``lookup`` answered per key during the call (the promotion checks of a deferred answer)."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    return record_lookup(instance, wrapped, *args, **kwargs)[0]
+
+
+def _call_unchecked(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    global _suspended
+    _suspended += 1
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _suspended -= 1
+
+
 def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``wrapt`` wrapper of ``OffloadingConnectorScheduler.get_num_new_matched_tokens``.
 
@@ -1149,7 +1226,9 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     0 tokens) returns at once, unbound, except a deferred answer (``None``) under vLLM's
     tiering manager: there vLLM's method runs inside :func:`record_lookup` and the
     answer goes to the promotion-fit check. A binding error counts ``stage="admission"``
-    and returns vLLM's answer.
+    and returns vLLM's answer. The fallback where the ``admission_return`` rewrite does not
+    apply (:func:`kvguard.guards.rewrite.admission_return_names`): a lookup that rebinds
+    its arguments, or whose parameters are named otherwise.
     """
     if instance is None:
         return wrapped(*args, **kwargs)
@@ -1173,39 +1252,48 @@ _attached: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def attach(cs: Any) -> bool:
-    """Give the connector scheduler ``cs`` its own pre-bound wrapper of the lookup: the
-    instance attribute ``get_num_new_matched_tokens = wrapt.FunctionWrapper(<vLLM's method
-    bound to cs>, admission_wrapper)``. True when attached.
+    """Give the connector scheduler ``cs`` its own pre-bound wrapper of the lookup, where
+    one is needed; True when attached.
 
-    Why: vLLM calls ``self.connector_scheduler.get_num_new_matched_tokens(...)`` on every
-    waiting request every step, and through the class-level wrap each call first binds
-    the descriptor (a ``BoundFunctionWrapper`` and a bound method, allocated per call);
-    an instance attribute skips that (measured warm, 2 Dec 2026: about 1.1 us per call
-    through the class wrap against 0.43 us pre-bound, a trivial wrapped method).
-    Behaviour is the same: the same :func:`admission_wrapper` with the same arguments.
-    Only where the class's attribute is kvguard's class-level wrap (a subclass that
-    overrides the method keeps the class path, through ``super()``) and ``cs`` has no
-    instance attribute of that name already (someone else's wrapper is never replaced).
-    :func:`detach_all` removes it (``uninstall``).
+    - vLLM's lookup carries the check in its own code (:func:`admits_inline`): only a
+      scheduler with vLLM's tiering manager gets one, ``wrapt.FunctionWrapper(<the method
+      bound to cs>, recording_wrapper)`` (the promotion checks need the manager's per-key
+      answers of the call); every other scheduler calls vLLM's method directly.
+    - the fallback, the class-level wrap (:func:`admission_wrapper`): every scheduler gets
+      ``wrapt.FunctionWrapper(<vLLM's method bound to cs>, admission_wrapper)``: vLLM calls
+      ``self.connector_scheduler.get_num_new_matched_tokens(...)`` on every waiting request
+      every step, and through the class-level wrap each call first binds the descriptor (a
+      ``BoundFunctionWrapper`` and a bound method, allocated per call); an instance attribute
+      skips that (measured warm, 2 Dec 2026: about 1.1 us per call through the class wrap
+      against 0.43 us pre-bound, a trivial wrapped method).
+
+    Behaviour is the same either way. Only where the class's attribute is kvguard's (a
+    subclass that overrides the method keeps the class path, through ``super()``) and
+    ``cs`` has no instance attribute of that name already (someone else's wrapper is never
+    replaced). :func:`detach_all` removes it (``uninstall``).
     """
     if "get_num_new_matched_tokens" in cs.__dict__:
         return False
     attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens", None)
-    if getattr(attr, "_self_wrapper", None) is not admission_wrapper:
+    if admits_inline(attr):
+        if _tiering_of(cs) is None:
+            return False  # nothing to record: the rewritten method is all it takes
+        target, wrapper = attr, recording_wrapper
+    elif getattr(attr, "_self_wrapper", None) is admission_wrapper:
+        target, wrapper = attr.__wrapped__, admission_wrapper
+    else:
         return False
     import wrapt
 
-    cs.__dict__["get_num_new_matched_tokens"] = wrapt.FunctionWrapper(
-        attr.__wrapped__.__get__(cs, type(cs)), admission_wrapper
-    )
+    cs.__dict__["get_num_new_matched_tokens"] = wrapt.FunctionWrapper(target.__get__(cs, type(cs)), wrapper)
     _attached.add(cs)
     return True
 
 
 def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``wrapt`` wrapper of the connector scheduler's ``__init__``: vLLM's constructor,
-    then :func:`attach` (an error counts ``stage="admission"``; the class-level wrap
-    still checks every lookup)."""
+    then :func:`attach` (an error counts ``stage="admission"``; vLLM's rewritten lookup, or
+    the class-level wrap, still checks every hit)."""
     result = wrapped(*args, **kwargs)
     try:
         attach(instance)
@@ -1220,20 +1308,23 @@ def detach_all() -> None:
     (:func:`kvguard.guards.tier_removals.unwatch_all`: no kept verdict is reused after)."""
     for cs in list(_attached):
         attr = cs.__dict__.get("get_num_new_matched_tokens")
-        if getattr(attr, "_self_wrapper", None) is admission_wrapper:
+        if getattr(attr, "_self_wrapper", None) in (admission_wrapper, recording_wrapper):
             del cs.__dict__["get_num_new_matched_tokens"]
     _attached.clear()
     unwatch_removals()
 
 
 def unwrapped_lookup(cs: Any) -> tuple[Callable[..., Any], bool]:
-    """``(vLLM's own bound get_num_new_matched_tokens, whether kvguard's admission wraps it)``.
+    """``(vLLM's lookup of cs without kvguard's check, whether kvguard's admission applies to it)``.
 
     For a caller that must act between vLLM's lookup and kvguard's check (the replay
     harness' driven hits): call the first, change the answer, then :func:`admit` it when
-    the second is True.
+    the second is True. Where the check is in vLLM's rewritten code (:func:`admits_inline`)
+    the first runs that code with :func:`admit_return` passing answers through.
     """
     attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens", None)
+    if admits_inline(attr):
+        return functools.partial(_call_unchecked, attr.__get__(cs, type(cs))), True
     if getattr(attr, "_self_wrapper", None) is admission_wrapper:
         return attr.__wrapped__.__get__(cs, type(cs)), True
     return cs.get_num_new_matched_tokens, False

@@ -30,9 +30,12 @@
    ``wrapt`` boundary wrap of ``__init__`` that records each KV cache group's spec, its
    arguments bound by signature. Every class of an in-scope module that defines both
    ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` (the offloading
-   connector's scheduler side) gets a ``wrapt`` wrap of ``get_num_new_matched_tokens``
-   that runs the admission check of :mod:`kvguard.guards.admission` on vLLM's answer
-   (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
+   connector's scheduler side) gets the admission check of :mod:`kvguard.guards.admission`
+   on vLLM's answer: written into that ``get_num_new_matched_tokens`` itself (each
+   ``return`` passes its value through ``admit_return``; the ``admission_return`` rewrite of
+   :mod:`kvguard.guards.rewrite`, compiled with the function's other sites), or, where that
+   rewrite does not apply, a ``wrapt`` wrap of the method; its ``__init__`` gets a wrap that
+   pre-binds what each scheduler needs (``admission.attach``) (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
    ``admission:promotion_fit`` / ``admission:promotion_progress`` turn off only that check
    of deferred tiered hits).
 
@@ -60,6 +63,7 @@ from typing import Any
 from kvguard.guards import admission, events, names, runtime
 from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.rewrite import (
+    GLOBAL_ADMIT_RETURN,
     GLOBAL_CHECK,
     GLOBAL_CHECK_STORE,
     GLOBAL_DROP_STORE,
@@ -67,6 +71,7 @@ from kvguard.guards.rewrite import (
     GLOBAL_REQUEST_FAILED,
     GLOBAL_LOCALS,
     GLOBAL_STORE_DROPPED,
+    KIND_ADMISSION_RETURN,
     SiteSpec,
     extract_function_code,
     find_function,
@@ -149,6 +154,8 @@ class _State:
     modules: list[str] = field(default_factory=list)
     special_missing: list[str] = field(default_factory=list)
     code_patches: list[tuple[types.FunctionType, types.CodeType]] = field(default_factory=list)
+    #: (lookup function, its code with the admission rewrite, the same without it)
+    admission_codes: list[tuple[types.FunctionType, types.CodeType, types.CodeType]] = field(default_factory=list)
     attr_patches: list[tuple[type, str, Any]] = field(default_factory=list)
     #: (qualname, wrapper) of each wrapt wrap done (one method may carry two wrappers)
     wrapped: set[tuple[str, Any]] = field(default_factory=set)
@@ -168,6 +175,7 @@ def _injected_globals() -> dict[str, Any]:
         GLOBAL_REQUEST_FAILED: runtime.RequestFailed,
         GLOBAL_FAIL_REQUEST: runtime.fail_request,
         GLOBAL_CHECK_STORE: runtime.check_store,
+        GLOBAL_ADMIT_RETURN: admission.admit_return,
     }
 
 
@@ -191,6 +199,33 @@ def _resolve(module: types.ModuleType, qualname: str) -> tuple[Any, types.Functi
         obj = getattr(obj, "__wrapped__", None)
         seen += 1
     return owner, None
+
+
+class _RebuildError(Exception):
+    """The rewritten module compiled but the function's code could not be taken out of it."""
+
+    def __init__(self, matched: set[str]) -> None:
+        super().__init__()
+        self.matched = matched
+
+
+def _compile_rewrite(tree: ast.Module, qualname: str, specs: list[SiteSpec],
+                     func: types.FunctionType) -> tuple[types.CodeType, set[str]] | None:
+    """``(code, matched site ids)`` of ``func`` with ``specs`` rewritten (same future flags,
+    file name and qualname as vLLM's); None when nothing matched. Raises
+    :class:`_RebuildError` when the code cannot be extracted or its free variables differ."""
+    result = rewrite_function(tree, qualname, specs)
+    if result is None or not result[1]:
+        return None
+    new_module, matched = result
+    flags = func.__code__.co_flags & _FUTURE_FLAGS
+    compiled = compile(new_module, func.__code__.co_filename, "exec", flags=flags, dont_inherit=True)
+    code = extract_function_code(compiled, qualname)
+    if code is None or code.co_freevars != func.__code__.co_freevars:
+        raise _RebuildError(matched)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=func.__code__.co_qualname)
+    return code, matched
 
 
 def _first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -383,11 +418,20 @@ class OffloadGuardInstrumentor:
                 self._gauge(state, site.site_id, False)
                 continue
             by_qualname[site.qualname].append(site)
+        # the admission check goes into vLLM's lookup itself (issue 21: no wrapper frame)
+        lookups: list[str] = []
+        if not state.settings.site_disabled(ADMISSION_SITE_ID):
+            lookups = [f"{qualname}.get_num_new_matched_tokens" for qualname in _lookup_classes(module)]
+        admit_spec = SiteSpec(ADMISSION_SITE_ID, KIND_ADMISSION_RETURN, ())
         found: set[str] = set()
         failed: dict[str, str] = {}
+        inline: set[str] = set()
         injected = False
-        for qualname, sites in by_qualname.items():
+        for qualname in [*by_qualname, *(q for q in lookups if q not in by_qualname)]:
+            sites = by_qualname.get(qualname, [])
             specs = [SiteSpec(s.site_id, s.kind, (s.fingerprint,)) for s in sites]
+            if qualname in lookups:
+                specs.append(admit_spec)
             try:
                 _, func = _resolve(module, qualname)
                 located = find_function(tree, qualname)
@@ -397,29 +441,30 @@ class OffloadGuardInstrumentor:
                     for spec in specs:
                         failed.setdefault(spec.site_id, "source_mismatch")
                     continue
-                result = rewrite_function(tree, qualname, specs)
-                if result is None or not result[1]:
+                built = _compile_rewrite(tree, qualname, specs, func)
+                if built is None:
                     continue
-                new_module, matched = result
-                flags = func.__code__.co_flags & _FUTURE_FLAGS
-                compiled = compile(new_module, func.__code__.co_filename, "exec", flags=flags, dont_inherit=True)
-                code = extract_function_code(compiled, qualname)
-                if code is None or code.co_freevars != func.__code__.co_freevars:
-                    for site_id in matched:
-                        failed.setdefault(site_id, "error")
-                    runtime.guard_error(names.STAGE_REWRITE, RuntimeError(f"cannot rebuild code of {qualname}"))
-                    continue
-                if hasattr(code, "co_qualname"):
-                    code = code.replace(co_qualname=func.__code__.co_qualname)
+                code, matched = built
                 if not injected:
                     module.__dict__.update(_injected_globals())
                     state.injected.append(module)
                     injected = True
+                if ADMISSION_SITE_ID in matched:
+                    inline.add(qualname)
+                    # the same function without the admission rewrite (bench/step_toggle.py
+                    # switches the admission check alone)
+                    rest = [spec for spec in specs if spec is not admit_spec]
+                    without = _compile_rewrite(tree, qualname, rest, func) if matched - {ADMISSION_SITE_ID} else None
+                    state.admission_codes.append((func, code, without[0] if without else func.__code__))
                 state.code_patches.append((func, func.__code__))
                 func.__code__ = code
                 if any(s.kind == KIND_STORE_CALL and s.site_id in matched for s in sites):
                     runtime.STORE_BUILDER_CODES.add(code)
                 found |= matched
+            except _RebuildError as error:
+                for site_id in error.matched:
+                    failed.setdefault(site_id, "error")
+                runtime.guard_error(names.STAGE_REWRITE, RuntimeError(f"cannot rebuild code of {qualname}"))
             except Exception as error:
                 runtime.guard_error(names.STAGE_REWRITE, error)
                 for spec in specs:
@@ -435,11 +480,12 @@ class OffloadGuardInstrumentor:
                     # source_mismatch: the file changed after import; error: counted above
                     detail = failed.get(site.site_id, "not_found")
                     self._missing(state, site.site_id, site.module, "not_rewritten", detail)
-        if not state.settings.site_disabled(ADMISSION_SITE_ID):
-            for qualname in _lookup_classes(module):
-                if self._wrap(state, module, f"{qualname}.get_num_new_matched_tokens", admission.admission_wrapper):
-                    # each new scheduler also gets the same wrapper pre-bound (admission.attach)
-                    self._wrap(state, module, f"{qualname}.__init__", admission.attach_wrapper)
+        for qualname in lookups:
+            owner = qualname.rsplit(".", 1)[0]
+            # where the rewrite does not apply, the fallback: a wrapt wrap of the lookup
+            if qualname in inline or self._wrap(state, module, qualname, admission.admission_wrapper):
+                # each new scheduler gets what it needs pre-bound (admission.attach)
+                self._wrap(state, module, f"{owner}.__init__", admission.attach_wrapper)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]

@@ -58,6 +58,19 @@ its normalized text *before* its own asserts are rewritten.
         @kvguard_fail_request(<site_id>, @kvguard_locals())
         return None
 
+``admission_return`` (issue 21; the connector scheduler's ``get_num_new_matched_tokens``)::
+
+    return @kvguard_admit_return(self, request, num_computed_tokens, <value>)
+
+  Every ``return <value>`` of the function's own scope (not of nested scopes): vLLM's
+  answer goes through kvguard's admission check before it leaves the function, with no
+  wrapper frame and no argument binding per call (the three names are the function's own
+  parameters, read off its ``def``). Applied only when the function has a first positional
+  parameter and parameters named ``request`` and ``num_computed_tokens``, and no
+  statement of it (or of a nested scope) rebinds one of the three
+  (:func:`admission_return_names`); else not matched, and the instrumentor wraps the
+  method instead.
+
 Locations: every generated node gets the location of the statement it replaces
 (``ast.copy_location`` over the new subtree); original nodes keep theirs, so tracebacks
 and ``co_positions`` point into vLLM's own file and lines.
@@ -84,6 +97,9 @@ __all__ = [
     "GLOBAL_REQUEST_FAILED",
     "GLOBAL_FAIL_REQUEST",
     "GLOBAL_CHECK_STORE",
+    "GLOBAL_ADMIT_RETURN",
+    "KIND_ADMISSION_RETURN",
+    "admission_return_names",
     "SiteSpec",
     "SiteRewriter",
     "normalize_assert",
@@ -100,6 +116,7 @@ KIND_ASSERT = "assert"
 KIND_WINDOW = "window"
 KIND_STORE_CALL = "store_call"
 KIND_REQUEST_SCOPE = "request_scope"
+KIND_ADMISSION_RETURN = "admission_return"
 
 GLOBAL_CHECK = "@kvguard_check"
 GLOBAL_LOCALS = "@kvguard_locals"
@@ -108,6 +125,7 @@ GLOBAL_DROP_STORE = "@kvguard_drop_store"
 GLOBAL_REQUEST_FAILED = "@kvguard_RequestFailed"
 GLOBAL_FAIL_REQUEST = "@kvguard_fail_request"
 GLOBAL_CHECK_STORE = "@kvguard_check_store"
+GLOBAL_ADMIT_RETURN = "@kvguard_admit_return"
 _LOCAL_OK = "@kvguard_ok"
 _LOCAL_EXC = "@kvguard_exc"
 #: Every global name rewritten code may read (the instrumentor injects exactly these).
@@ -119,6 +137,7 @@ INJECTED_GLOBALS: tuple[str, ...] = (
     GLOBAL_REQUEST_FAILED,
     GLOBAL_FAIL_REQUEST,
     GLOBAL_CHECK_STORE,
+    GLOBAL_ADMIT_RETURN,
 )
 
 
@@ -262,8 +281,8 @@ class SiteRewriter(ast.NodeTransformer):
 
     def __post_init__(self) -> None:
         for spec in self.specs:
-            if spec.kind == KIND_REQUEST_SCOPE:
-                continue  # the whole body: rewrite_function wraps it
+            if spec.kind in (KIND_REQUEST_SCOPE, KIND_ADMISSION_RETURN):
+                continue  # the whole body: rewrite_function rewrites it
             target = self._by_stmt if spec.kind == KIND_STORE_CALL else self._by_assert
             for fp in spec.fingerprints:
                 target[fp] = spec
@@ -548,6 +567,9 @@ def rewrite_function(
     rewriter = SiteRewriter(specs)
     # visit the body only: the def itself is the scope, not a nested one
     func.body = rewriter._visit_stmts(func.body)
+    admit = next((sp for sp in specs if sp.kind == KIND_ADMISSION_RETURN), None)
+    if admit is not None and _admit_returns(func):
+        rewriter.found.add(admit.site_id)
     scope = next((sp for sp in specs if sp.kind == KIND_REQUEST_SCOPE), None)
     if scope is not None:
         _wrap_request_scope(func, scope)
@@ -563,6 +585,74 @@ def rewrite_function(
     module = ast.Module(body=[inner], type_ignores=[])
     ast.fix_missing_locations(module)
     return module, set(rewriter.found)
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def admission_return_names(func: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, str, str] | None:
+    """``(self, "request", "num_computed_tokens")``: the parameter names an ``admission_return``
+    rewrite passes to the check, or None when ``func`` does not qualify.
+
+    Qualifies: a plain ``def`` (not ``async``, not a generator) whose first positional
+    parameter is the instance and that has parameters named ``request`` and
+    ``num_computed_tokens``, none of the three ever rebound in it (an assignment, ``del``,
+    ``for`` / ``with`` / ``except`` / ``import`` / ``match`` target, ``:=``, ``global`` /
+    ``nonlocal``, or a nested scope declaring one ``nonlocal``): then each name holds the argument of the call at
+    every ``return``."""
+    if not isinstance(func, ast.FunctionDef):
+        return None
+    positional = [*func.args.posonlyargs, *func.args.args]
+    params = {a.arg for a in [*positional, *func.args.kwonlyargs]}
+    if not positional or not {"request", "num_computed_tokens"} <= params:
+        return None
+    names = (positional[0].arg, "request", "num_computed_tokens")
+    for node in ast.walk(func):
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return None
+        if isinstance(node, ast.Name) and node.id in names and not isinstance(node.ctx, ast.Load):
+            return None
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and set(node.names) & set(names):
+            return None
+        bound = None
+        if isinstance(node, ast.ExceptHandler):
+            bound = node.name
+        elif isinstance(node, ast.alias):
+            bound = node.asname or node.name.partition(".")[0]
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)):
+            bound = node.name
+        elif isinstance(node, ast.MatchMapping):
+            bound = node.rest
+        if bound in names:
+            return None
+    return names
+
+
+def _admit_returns(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Rewrite each ``return <value>`` of ``func``'s own scope (module docstring,
+    ``admission_return``); False (nothing changed) when it does not qualify or has none."""
+    names = admission_return_names(func)
+    if names is None:
+        return False
+    found = False
+
+    def visit(node: ast.AST) -> None:
+        nonlocal found
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, _SCOPES):
+                continue  # a nested scope's returns are not the method's answer
+            if isinstance(child, ast.Return) and child.value is not None:
+                call = _gen(ast.Call(
+                    func=_gen(_name(GLOBAL_ADMIT_RETURN)),
+                    args=[_gen(_name(n)) for n in names] + [child.value],
+                    keywords=[],
+                ))
+                child.value = _locate(call, child)
+                found = True
+            visit(child)
+
+    visit(func)
+    return found
 
 
 def extract_function_code(module_code: CodeType, qualname: str) -> CodeType | None:

@@ -12,6 +12,8 @@ The comparison with vLLM's real KV cache manager is tests/vllm/test_load_coverag
 
 from __future__ import annotations
 
+import ast
+
 import itertools
 import random
 
@@ -686,6 +688,61 @@ def test_attach_gives_a_scheduler_the_same_check_pre_bound():
     admission.detach_all()
     assert "get_num_new_matched_tokens" not in cs.__dict__
     assert cs.get_num_new_matched_tokens(request, 0) == via_class
+    admission.reset()
+
+
+def _inline_scheduler_class():
+    """The stand-in scheduler of :func:`_wrapped_scheduler_class` with the admission check
+    written into its lookup's code, as the instrumentor does (the ``admission_return``
+    rewrite, compiled from the source below, ``admit_return`` injected)."""
+    import textwrap
+
+    from kvguard.guards import admission
+    from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, KIND_ADMISSION_RETURN, SiteSpec, rewrite_function
+
+    src = textwrap.dedent('''
+        class Scheduler:
+            def get_num_new_matched_tokens(self, request, num_computed_tokens):
+                return (40, True)
+    ''')
+    module, found = rewrite_function(
+        ast.parse(src), "Scheduler.get_num_new_matched_tokens",
+        [SiteSpec("admission:load_coverage", KIND_ADMISSION_RETURN, ())],
+    )
+    assert found == {"admission:load_coverage"}
+    namespace: dict = {GLOBAL_ADMIT_RETURN: admission.admit_return}
+    exec(compile(module, "<vllm-test>", "exec"), namespace)
+    Scheduler = namespace["Scheduler"]
+    stand_in = vars(_stand_in_scheduler(4, 2, 20, 0, 8, missing={(1, 3)}))
+
+    def init(self):
+        self.__dict__.update(stand_in)
+        self.__dict__[admission._TIERING_ATTR] = None  # no tiering: nothing to record
+
+    Scheduler.__init__ = init
+    return Scheduler
+
+
+def test_the_check_in_the_lookups_code_acts_as_the_wrapper_does():
+    """The ``admission_return`` path (issue 21): the same request and missing chunk give
+    the same reduced answer as through the wrapt wrapper; no wrapper is attached to a
+    scheduler without tiering; ``unwrapped_lookup`` runs the same code with the check
+    passing vLLM's answer through (the replay harness admits after its own cap)."""
+    from kvguard.guards import admission
+
+    request = _Obj(request_id="r")
+    via_wrapper = _wrapped_scheduler_class()().get_num_new_matched_tokens(request, 0)
+    Scheduler = _inline_scheduler_class()
+    cs = Scheduler()
+    assert admission.admits_inline(vars(Scheduler)["get_num_new_matched_tokens"])
+    admission.reset()
+    assert cs.get_num_new_matched_tokens(request, 0) == via_wrapper and via_wrapper[0] < 40
+    assert admission.snapshot()["evaluated"] == 1 and admission.snapshot()["hit_reduced"] == 1
+    assert admission.attach(cs) is False and "get_num_new_matched_tokens" not in cs.__dict__
+    plain, admitted = admission.unwrapped_lookup(cs)
+    assert admitted is True and plain(request, 0) == (40, True)  # vLLM's answer, unchecked
+    assert admission.snapshot()["evaluated"] == 1 and admission._suspended == 0
+    assert cs.get_num_new_matched_tokens(request, 0) == via_wrapper  # checked again after it
     admission.reset()
 
 

@@ -14,7 +14,9 @@ from kvguard.guards import events, runtime
 from kvguard.guards.hook import GuardFinder
 from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _injected_globals
 from kvguard.guards.rewrite import (
+    GLOBAL_ADMIT_RETURN,
     INJECTED_GLOBALS,
+    KIND_ADMISSION_RETURN,
     KIND_ASSERT,
     KIND_STORE_CALL,
     KIND_WINDOW,
@@ -233,6 +235,77 @@ def test_super_keeps_its_class_cell():
     namespace.update(_injected_globals())
     assert namespace["B"](3).v == 3
     assert getmsg(namespace["B"], -1)[1] == 9
+
+
+# -- admission_return (issue 21): vLLM's answer through the check, in the lookup's own code --
+LOOKUP_SRC = textwrap.dedent(
+    '''
+    class Sched:
+        def get_num_new_matched_tokens(self, request, num_computed_tokens, max_new=None):
+            def helper():
+                return "nested"  # a nested scope's return is not the method's answer
+            if request == "defer":
+                return None, False
+            hits = [n for n in range(num_computed_tokens)]
+            assert len(hits) >= 0
+            return len(hits) * 2, helper() == "nested"
+    '''
+)
+ADMIT = SiteSpec("admission:load_coverage", KIND_ADMISSION_RETURN, ())
+
+
+def _lookup_with(src: str, specs: list[SiteSpec], admit):
+    module, found = rewrite(src, "Sched.get_num_new_matched_tokens", specs)
+    namespace: dict = dict(_injected_globals())
+    namespace[GLOBAL_ADMIT_RETURN] = admit
+    exec(compile(module, "<vllm-test>", "exec"), namespace)
+    return namespace["Sched"], found
+
+
+def test_admission_return_passes_every_answer_of_the_method_through_the_check():
+    """Each ``return`` of the method's own scope hands (self, request, num_computed_tokens,
+    answer) to the check and returns what the check returns; the nested helper's return
+    does not; the method's other sites are rewritten alongside."""
+    calls = []
+
+    def admit(cs, request, num_computed_tokens, answer):
+        calls.append((cs, request, num_computed_tokens, answer))
+        return ("checked", answer)
+
+    sched_cls, found = _lookup_with(LOOKUP_SRC, [ADMIT, spec("len(hits) >= 0")], admit)
+    assert found == {"admission:load_coverage", SITE_GROUP_SIZES_SUM}
+    sched = sched_cls()
+    assert sched.get_num_new_matched_tokens("req", 3) == ("checked", (6, True))
+    assert sched.get_num_new_matched_tokens("defer", 5) == ("checked", (None, False))
+    assert calls == [(sched, "req", 3, (6, True)), (sched, "defer", 5, (None, False))]
+    assert GLOBAL_ADMIT_RETURN in INJECTED_GLOBALS
+    assert GLOBAL_ADMIT_RETURN in sched_cls.get_num_new_matched_tokens.__code__.co_names
+
+
+@pytest.mark.parametrize("statement", [
+    "request = request.inner",
+    "num_computed_tokens += 1",
+    "for request in ():\n            pass",
+    "self = None",
+    "del request",
+    "import os as request",
+    "(num_computed_tokens := 0)",
+])
+def test_admission_return_refuses_a_method_that_rebinds_what_it_would_pass(statement):
+    """A method that rebinds ``self``, ``request`` or ``num_computed_tokens`` anywhere would
+    hand the check another value than the call's: it is left as it is (not matched; the
+    instrumentor then wraps it instead)."""
+    src = LOOKUP_SRC.replace("        hits = [", f"        {statement}\n        hits = [")
+    assert src != LOOKUP_SRC
+    sched_cls, found = _lookup_with(src, [ADMIT], lambda *a: pytest.fail("called"))
+    assert found == set()
+    assert GLOBAL_ADMIT_RETURN not in sched_cls.get_num_new_matched_tokens.__code__.co_names
+
+
+def test_admission_return_needs_the_parameters_by_name():
+    src = LOOKUP_SRC.replace("num_computed_tokens", "num_tokens")
+    _, found = _lookup_with(src, [ADMIT], lambda *a: pytest.fail("called"))
+    assert found == set()
 
 
 def test_store_call_needs_an_enclosing_loop():

@@ -221,15 +221,25 @@ def test_vllm_admitted_hits_are_never_reduced(name, monkeypatch):
     assert result.guard_errors == {}
 
 
-@pytest.mark.parametrize("path", ["instance", "class"])
-def test_the_wraps_run_the_check_in_vllms_own_call_path(path, monkeypatch):
-    """Without the harness' ordering (EngineCore's path): the wrapt wrap of
-    ``get_num_new_matched_tokens`` itself calls the check, arguments bound by signature.
-    ``instance``: the pre-bound wrapper every scheduler built after install gets
-    (``admission.attach``, the hot path); ``class``: the class-level wrap, which serves a
-    scheduler without it (one built before install)."""
+@pytest.mark.parametrize("path", ["inline", "instance", "class"])
+def test_the_check_runs_in_vllms_own_call_path(path, monkeypatch):
+    """Without the harness' ordering (EngineCore's path): vLLM's own call of
+    ``get_num_new_matched_tokens`` runs the check on this scheduler's lookups.
+
+    ``inline``: the ``admission_return`` rewrite (issue 21), what a release whose lookup
+    qualifies gets: every ``return`` of vLLM's method passes its answer through
+    ``admission.admit_return``, and a scheduler without vLLM's tiering carries no wrapper
+    at all. ``instance`` / ``class``: the fallback where the rewrite does not apply
+    (forced here: ``rewrite.admission_return_names`` refuses the method): the wrapt wrap
+    of the method, arguments bound by signature, through the pre-bound wrapper every
+    scheduler built after install gets (``admission.attach``) or the class-level wrap
+    (a scheduler without it)."""
     import inspect
 
+    from kvguard.guards import rewrite
+
+    if path != "inline":
+        monkeypatch.setattr(rewrite, "admission_return_names", lambda func: None)
     trace = load_trace("load-evicted-window")
     control = dataclasses.replace(
         trace, requests=tuple(dataclasses.replace(r, external_hit_tokens=None) for r in trace.requests)
@@ -238,16 +248,21 @@ def test_the_wraps_run_the_check_in_vllms_own_call_path(path, monkeypatch):
     engine = harness.build_engine(control.geometry)
     cs = engine.connector_scheduler
     attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens")
-    assert getattr(attr, "_self_wrapper", None) is admission.admission_wrapper
     own = cs.__dict__.get("get_num_new_matched_tokens")
-    assert getattr(own, "_self_wrapper", None) is admission.admission_wrapper
-    assert own.__wrapped__.__self__ is cs and own.__wrapped__.__func__ is attr.__wrapped__
-    if path == "class":
-        del cs.__dict__["get_num_new_matched_tokens"]
+    if path == "inline":
+        assert admission.admits_inline(attr) and not hasattr(attr, "_self_wrapper")
+        assert own is None  # no tiering: nothing pre-bound, vLLM's method is called directly
+    else:
+        assert not admission.admits_inline(attr.__wrapped__)
+        assert getattr(attr, "_self_wrapper", None) is admission.admission_wrapper
+        assert getattr(own, "_self_wrapper", None) is admission.admission_wrapper
+        assert own.__wrapped__.__self__ is cs and own.__wrapped__.__func__ is attr.__wrapped__
+        if path == "class":
+            del cs.__dict__["get_num_new_matched_tokens"]
     calls = []
     original = admission.admit
     monkeypatch.setattr(admission, "admit", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
-    # the recorder calls the wrapped method as vLLM's scheduler does, and no admit of its own
+    # the recorder calls the method as vLLM's scheduler does, and no admit of its own
     monkeypatch.setattr(admission, "unwrapped_lookup", lambda c: (c.get_num_new_matched_tokens, False))
     result = harness.run_replay(control, guard=True, policy="guard", engine=engine)
     assert result.ok, result.error
@@ -258,7 +273,11 @@ def test_the_wraps_run_the_check_in_vllms_own_call_path(path, monkeypatch):
     # the replay put back what it shadowed
     assert ("get_num_new_matched_tokens" in cs.__dict__) is (path == "instance")
     harness.uninstall_guard()
-    assert inspect.getattr_static(type(cs), "get_num_new_matched_tokens") is attr.__wrapped__
+    restored = inspect.getattr_static(type(cs), "get_num_new_matched_tokens")
+    if path == "inline":
+        assert restored is attr and not admission.admits_inline(restored)  # vLLM's own code back
+    else:
+        assert restored is attr.__wrapped__
     assert "get_num_new_matched_tokens" not in cs.__dict__  # uninstall detaches the instance wrapper
 
 
