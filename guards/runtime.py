@@ -60,6 +60,7 @@ from typing import Any
 
 from kvguard.guards import invariants, names
 from kvguard.guards.rewrite import GLOBAL_FAIL_REQUEST
+from kvguard.guards.store_coverage import GroupStore, group_store_problems
 from kvguard.guards.sites import KIND_WINDOW, Site
 
 __all__ = [
@@ -561,11 +562,9 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
     if store_coverage_disabled or _suppress_depth:
         return None
     try:
-        from kvguard.guards.admission import Unsupported
-
         try:
             problems = _store_problems(spec, context)
-        except Unsupported:  # a group kind or config kvguard cannot read: not checked
+        except _Unsupported:  # a group kind or config kvguard cannot read: not checked
             return None
         _count_eval(names.CHECK_STORE_COVERAGE)
         if not problems:
@@ -597,19 +596,29 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
         return None
 
 
+class _Unsupported(Exception):
+    """``admission.Unsupported`` of a scheduler's group geometry, as :func:`_store_problems`
+    raises it (admission imports this module, so it is imported only where it is needed)."""
+
+
 def _store_problems(spec: Any, context: dict[str, Any]) -> list[str]:
     """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
     (prefixed ``group <g>:``); groups with no block in this store are skipped."""
-    from kvguard.guards import admission
-    from kvguard.guards.store_coverage import GroupStore, group_store_problems
-
     cs = context["self"]
     req_status = context["req_status"]
     geometries = cs.__dict__.get("_kvguard_store_geometry")
     if geometries is None:
-        geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
+        from kvguard.guards import admission
+
+        try:
+            geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
+        except admission.Unsupported as why:
+            raise _Unsupported(str(why)) from None
     num_tokens = int(req_status.req.num_tokens)
-    block_ids = list(spec.block_ids)
+    # vLLM keeps the ids as a numpy array (0.21-0.34): tolist() gives plain ints at once;
+    # list() would give numpy scalars, slow to build and to compare with the table's ints
+    block_ids = spec.block_ids
+    block_ids = block_ids.tolist() if hasattr(block_ids, "tolist") else list(block_ids)
     problems: list[str] = []
     offset = 0
     for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):

@@ -87,36 +87,45 @@ def group_store_problems(g: GroupStore) -> list[str]:
     bpc, tpb = g.blocks_per_chunk, g.tokens_per_block
     if not g.copied:
         return []
-    table = list(g.table)
-    copied = list(g.copied)
+    # lists as they come (the connector's block table is one): a copy per store was most
+    # of the check's cost on long requests
+    table = g.table if type(g.table) is list else list(g.table)
+    copied = g.copied if type(g.copied) is list else list(g.copied)
     skip = g.first_index % bpc
     problems: list[str] = []
+    # the table holds the copied blocks one after another from first_index: every run of
+    # the walk below matches at the first place it is looked for (run 0 at first_index,
+    # each next one at the chunk boundary where the previous ended), so nothing is moved
+    # and only the ends are left to check (the usual store: one slice comparison)
+    in_place = table[g.first_index : g.first_index + len(copied)] == copied
     # Walk the copied blocks chunk run by chunk run, as the copy engine places them: run r
     # fills sub-blocks (skip if r == 0 else 0)..bpc-1 of the r-th stored chunk. The first
     # run starts at first_index; a later run must be a whole chunk of the table, after the
     # previous run, that holds exactly the run's ids in order (an id can also appear
     # elsewhere in the table: a block the window freed and the allocator handed back,
     # vLLM #42761, so each candidate chunk is matched whole).
-    k = 0
+    k = len(copied) if in_place else 0
     prev_end = g.first_index
     while k < len(copied):
         sub0 = skip if k == 0 else 0
         run = copied[k : k + bpc - sub0]
         if k == 0:
-            starts = [g.first_index] if table[g.first_index : g.first_index + len(run)] == run else []
+            start_at = g.first_index if table[g.first_index : g.first_index + len(run)] == run else None
         else:
-            starts = [
+            # the first chunk that matches (a sound store: the next one; the scan goes on
+            # only past a mismatch)
+            start_at = next((
                 c for c in range(-(-prev_end // bpc) * bpc, len(table), bpc)
                 if table[c : c + len(run)] == run
-            ]
-        if not starts:
+            ), None)
+        if start_at is None:
             at = table.index(run[0], prev_end) if run[0] in table[prev_end:] else None
             problems.append(
                 f"moved: copied block {k} (id {run[0]}) goes to sub-block {sub0} of stored chunk "
                 f"{(skip + k) // bpc}, but the table holds it at {at}"
             )
             break
-        prev_end = starts[0] + len(run)
+        prev_end = start_at + len(run)
         k += len(run)
     skipped = 0 if g.kept_tokens is None else max(0, g.num_tokens - g.kept_tokens)
     start = (g.first_index // bpc) * bpc
