@@ -19,14 +19,15 @@ the wrap up.
 Around each step the wrap:
 
 1. on the first step, finds what it switches and writes a ``setup`` record: the connector
-   scheduler (``engine.scheduler.connector.connector_scheduler``) with kvguard's
-   pre-bound admission wrapper in its ``__dict__["get_num_new_matched_tokens"]``
-   (``_self_wrapper is admission.admission_wrapper``; its ``__wrapped__`` is vLLM's bound
-   method), and the rewritten functions, ``OffloadGuardInstrumentor()._state.code_patches``
-   (``(func, vLLM's code)``; kvguard's code is the current ``func.__code__``). Anything
-   missing is written as ``ok: false`` with the reason and nothing is switched; the driver
-   then fails. The list of code patches is re-read whenever its length changes (modules
-   instrumented later, on import);
+   scheduler (``engine.scheduler.connector.connector_scheduler``) whose class's
+   ``get_num_new_matched_tokens`` carries kvguard's admission check in its code
+   (``admission.admits_inline``; ``OffloadGuardInstrumentor()._state.admission_codes``
+   holds ``(func, code with the check, the same code without it)``: the bench needs the
+   lookup to hold no other site, so "without" is vLLM's own code), and the other rewritten
+   functions, ``code_patches`` (``(func, vLLM's code)``; kvguard's code is the current
+   ``func.__code__``). Anything missing is written as ``ok: false`` with the reason and
+   nothing is switched; the driver then fails. The list of code patches is re-read
+   whenever its length changes (modules instrumented later, on import);
 2. picks ``(part, on)`` from a fixed schedule of pairs of adjacent working steps: pair
    ``k`` times part ``PARTS[k % 4]`` (``aa``, ``admission``, ``code``, ``all``), once on
    and once off, on first in the part's even pairs and off first in its odd pairs (order
@@ -34,9 +35,11 @@ Around each step the wrap:
    the same way);
 3. sets the state of every part before every step, changed or not (each step pays the same
    switching work, outside the timed region; setting ``__code__`` also resets the
-   function's call specialisation in both states alike): admission on = the wrapper in the
-   scheduler's ``__dict__``, off = vLLM's bound method; code on = kvguard's code objects,
-   off = vLLM's. Parts other than the pair's stay on (production);
+   function's call specialisation in both states alike): admission on = the lookup's code
+   with the check, off = without it; code on = kvguard's code objects, off = vLLM's.
+   The cache policy's removal counting (``kvguard.guards.tier_removals``) stays on in
+   both states (the replay bench, ``bench/step_toggle.py``, switches it with the
+   admission part). Parts other than the pair's stay on (production);
 4. times the step (``time.perf_counter`` and ``time.thread_time``) and, inside it, the
    scheduler's own work (``schedule`` + ``update_from_output``, through instance
    attributes on the scheduler, in both states: a closure call each);
@@ -91,8 +94,7 @@ class _Bench:
         self.pair = 0
         self.slot = 0           # 0 or 1: the step inside the pair
         self.cs = None
-        self.adm_on = None
-        self.adm_off = None
+        self.lookups: list[tuple] = []
         self.codes: list[tuple] = []
         self.n_patches = -1
         self.state = None
@@ -144,12 +146,17 @@ class _Bench:
             cs = getattr(conn, "connector_scheduler", None)
             info["connector"] = type(conn).__qualname__ if conn is not None else None
             info["connector_scheduler"] = type(cs).__qualname__ if cs is not None else None
-            attr = cs.__dict__.get("get_num_new_matched_tokens") if cs is not None else None
-            info["admission_wrapper_found"] = getattr(attr, "_self_wrapper", None) is admission.admission_wrapper
-            info["attached"] = cs is not None and cs in set(admission._attached)
+            import inspect
+
+            attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens", None) if cs is not None else None
+            info["admission_inline"] = admission.admits_inline(attr)
             state = OffloadGuardInstrumentor()._state
             info["instrumentor_installed"] = state is not None
             self.patch_list = state.code_patches if state is not None else []
+            originals = dict(self.patch_list)
+            self.lookups = list(state.admission_codes) if state is not None else []
+            info["admission_alone"] = bool(self.lookups) and all(
+                without is originals.get(f) for f, _, without in self.lookups)
             self.refresh_codes()
             info["code_patches"] = len(self.codes)
             info["code_patches_live"] = sum(1 for f, ours, orig in self.codes if ours is not orig)
@@ -157,14 +164,14 @@ class _Bench:
             for name in ("schedule", "update_from_output"):
                 setattr(sched, name, self.timed(getattr(sched, name), name == "schedule"))
             self.sched = sched
-            missing = [k for k in ("admission_wrapper_found", "attached", "instrumentor_installed")
+            missing = [k for k in ("admission_inline", "admission_alone", "instrumentor_installed")
                        if not info[k]]
             if not info["code_patches_live"]:
                 missing.append("code_patches")
             if missing:
                 info["error"] = "nothing to switch: " + ", ".join(missing)
             else:
-                self.cs, self.adm_on, self.adm_off = cs, attr, attr.__wrapped__
+                self.cs = cs
                 info["ok"] = True
         except Exception as error:  # written, then the driver fails
             info["error"] = f"{type(error).__name__}: {error}"
@@ -175,7 +182,8 @@ class _Bench:
 
     def refresh_codes(self) -> None:
         self.n_patches = len(self.patch_list)
-        self.codes = [(f, f.__code__, orig) for f, orig in self.patch_list]
+        lookups = {f for f, _, _ in self.lookups}
+        self.codes = [(f, f.__code__, orig) for f, orig in self.patch_list if f not in lookups]
 
     def timed(self, method, capture: bool):
         import time
@@ -198,7 +206,8 @@ class _Bench:
         name = PARTS[part]
         adm = on or name not in ("admission", "all")
         code = on or name not in ("code", "all")
-        self.cs.__dict__["get_num_new_matched_tokens"] = self.adm_on if adm else self.adm_off
+        for f, ours, without in self.lookups:
+            f.__code__ = ours if adm else without
         if self.n_patches != len(self.patch_list):
             for f, ours, orig in self.codes:  # back to kvguard's before re-reading
                 f.__code__ = ours
