@@ -253,19 +253,22 @@ class _HitRecorder:
     capped so that ``num_cached_tokens`` is exactly the trace's value.
 
     A request without a driven hit (every request of most traces) takes the scheduler's
-    own call path: what ``cs.get_num_new_matched_tokens`` was before this recorder (the
-    guard's pre-bound wrapper, :func:`kvguard.guards.admission.attach`, or the class's
-    method, bound per call as attribute access binds it), so the replay and the bench run
-    kvguard's admission wrapper exactly as EngineCore does. For a driven hit:
+    own call path: what ``cs.get_num_new_matched_tokens`` was before this recorder (a
+    wrapper the guard attached to this scheduler, :func:`kvguard.guards.admission.attach`,
+    or the class's method, bound per call as attribute access binds it: with the guard,
+    vLLM's code carrying the check, :func:`kvguard.guards.admission.admit_return`), so the
+    replay and the bench run kvguard's admission check exactly as EngineCore does. For a
+    driven hit:
 
-    Order: vLLM's own lookup, then the cap, then kvguard's admission check
-    (:func:`kvguard.guards.admission.admit`, when the guard wraps the lookup), so a
-    driven hit passes the same check as any answer of vLLM's lookup (issue 9 item 6).
-    With the guard, vLLM's lookup runs inside :func:`kvguard.guards.admission.record_lookup`
-    (under vLLM's tiering it records the manager's per-chunk answers for the
-    promotion-fit check of a deferred answer), as the guard's own wrapper does.
-    The recorded ``external_hit_tokens`` is what the scheduler finally received. The
-    wrapped method is vLLM's own; nothing inside vLLM's code is changed.
+    Order: vLLM's own lookup (with the guard: its code with kvguard's check passing the
+    answer through, :func:`kvguard.guards.admission.unwrapped_lookup`), then the cap, then
+    kvguard's admission check (:func:`kvguard.guards.admission.admit`, when the guard
+    checks the lookup), so a driven hit passes the same check as any answer of vLLM's
+    lookup (issue 9 item 6). With the guard, vLLM's lookup runs inside
+    :func:`kvguard.guards.admission.record_lookup` (under vLLM's tiering it records the
+    manager's per-chunk answers for the promotion-fit check of a deferred answer), as the
+    guard's own recording wrapper does. The recorded ``external_hit_tokens`` is what the
+    scheduler finally received. This recorder changes nothing inside vLLM's code.
     """
 
     def __init__(self, connector_scheduler: Any, result: ReplayResult):
@@ -277,7 +280,7 @@ class _HitRecorder:
         self._cls = type(connector_scheduler)
         self._method = inspect.getattr_static(self._cls, "get_num_new_matched_tokens")
         # what vLLM's ``cs.get_num_new_matched_tokens`` finds first: an instance attribute
-        # (kvguard's pre-bound wrapper, admission.attach), else the class's method
+        # (a wrapper kvguard attached, admission.attach), else the class's method
         self._instance_attr = connector_scheduler.__dict__.get("get_num_new_matched_tokens")
         self._result = result
         self.targets: dict[str, int] = {}
@@ -287,8 +290,8 @@ class _HitRecorder:
         rid = request.request_id
         target = self.targets.get(rid)
         if target is None:
-            # no driven hit: EngineCore's call path (kvguard's pre-bound wrapper, or the
-            # class's method bound as attribute access binds it), so the guard's wrapper
+            # no driven hit: EngineCore's call path (a wrapper kvguard attached, or the
+            # class's method bound as attribute access binds it), so the guard's check
             # runs as in EngineCore and the bench times what an operator pays
             lookup = self._instance_attr or self._method.__get__(self._cs, self._cls)
             answer = lookup(request, num_computed_tokens, *args, **kwargs)
