@@ -35,7 +35,8 @@
    ``return`` passes its value through ``admit_return``; the ``admission_return`` rewrite of
    :mod:`kvguard.guards.rewrite`, compiled with the function's other sites), or, where that
    rewrite does not apply, a ``wrapt`` wrap of the method; its ``__init__`` gets a wrap that
-   pre-binds what each scheduler needs (``admission.attach``) (kill switch: ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
+   pre-binds what each scheduler needs (``admission.attach``) (kill switch:
+   ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
    ``admission:promotion_fit`` / ``admission:promotion_progress`` turn off only that check
    of deferred tiered hits).
 
