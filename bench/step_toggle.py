@@ -1,7 +1,7 @@
 """Step-time cost of kvguard's parts, switched on and off step by step in one process.
 
     .venvs/vllm-0.33.0/bin/python bench/step_toggle.py [--part aa admission code all]
-        [--admission full|call-only] [--reps 5] [--agents 40] [--turns 6] [--json]
+        [--admission full|call-only] [--gc freeze|plain] [--reps 5] [--agents 40] [--turns 6] [--json]
 
 The lockstep bench (``bench/replay_overhead.py``) compares two processes; its A/A control
 still moves by a few percent on this shared host (0.974 on 2 Dec 2026). This one keeps
@@ -32,7 +32,9 @@ medians barely see it); a part is read against the ``aa`` row of the same run. `
 makes :func:`~kvguard.guards.admission.admit_return` return vLLM's answer at once (what
 the call from vLLM's code costs alone). The bench needs the admission check in vLLM's
 code (the ``admission_return`` rewrite) and a lookup with no other site; it says so and
-exits 1 otherwise.
+exits 1 otherwise. ``--gc``: after the warm-up the start-up heap is frozen as vLLM's
+EngineCore freezes its own (``freeze``, the default since 3 Dec 2026; ``plain`` leaves it:
+the earlier figures were taken so, and a full collection then lands on one step).
 A measurement, not a test: exit 0 unless a replay failed.
 """
 
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", nargs="+", choices=["aa", "admission", "code", "all"], default=["all"],
                         help="the parts to switch, in turn within each repetition")
     parser.add_argument("--admission", choices=["full", "call-only"], default="full")
+    parser.add_argument("--gc", choices=["freeze", "plain"], default="freeze",
+                        help="freeze the start-up heap after the warm-up, as EngineCore does (default), or not")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--agents", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
@@ -114,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     if not harness.run_replay(trace, guard=True, policy="guard").ok:  # warm-up, installs the guard
         print("warm-up replay failed", file=sys.stderr)
         return 1
+    if args.gc == "freeze":
+        # what vLLM's EngineCore does once it is built (v1/engine/core.py: freeze_gc_heap(),
+        # gc.collect of each generation then gc.freeze()): the start-up heap (torch, vLLM,
+        # the model's modules) is left out of every later collection. Without it a full
+        # collection here scans that whole heap, and whichever step's allocations trigger
+        # it pays it all, on or off.
+        gc.collect(0)
+        gc.collect(1)
+        gc.collect(2)
+        gc.freeze()
     if args.admission == "call-only":
         def _call_only(cs, request, num_computed_tokens, answer):
             return answer
@@ -190,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "vllm_version": harness.vllm_version(),
         "admission": args.admission,
+        "gc": args.gc,
         "reps": args.reps,
         "parts": {part: {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
                   for part, rows in per_rep.items()},
@@ -197,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"kvguard replay step toggle on vLLM {out['vllm_version']} (admission {args.admission}, {args.reps} reps, "
+    print(f"kvguard replay step toggle on vLLM {out['vllm_version']} (admission {args.admission}, gc {args.gc}, {args.reps} reps, "
           f"medians over reps; read each part against aa):")
     for part, f in out["parts"].items():
         print(f"  {part:<10} median step on/off {f['median_step_ratio']:.4f}, median per-step ratio "

@@ -68,8 +68,10 @@ its normalized text *before* its own asserts are rewritten.
   parameters, read off its ``def``). Applied only when the function has a first positional
   parameter and parameters named ``request`` and ``num_computed_tokens``, and no
   statement of it (or of a nested scope) rebinds one of the three
-  (:func:`admission_return_names`); else not matched, and the instrumentor wraps the
-  method instead.
+  (:func:`admission_return_names`), and no ``return`` sits inside a ``try`` or ``with``
+  (then nothing of vLLM's runs after the value is computed, so the check sees exactly
+  the answer the caller gets); else not matched, and the instrumentor wraps the method
+  instead.
 
 Locations: every generated node gets the location of the statement it replaces
 (``ast.copy_location`` over the new subtree); original nodes keep theirs, so tracebacks
@@ -628,11 +630,33 @@ def admission_return_names(func: ast.FunctionDef | ast.AsyncFunctionDef) -> tupl
     return names
 
 
+_ENCLOSING = (ast.Try, ast.With, ast.AsyncWith, *((ast.TryStar,) if hasattr(ast, "TryStar") else ()))
+
+
+def _guarded_return(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """True when a ``return`` of ``func``'s own scope lies inside a ``try`` or ``with``: there
+    code of vLLM's runs after the returned value is computed (``finally``, ``__exit__``) or
+    could catch what the check raises (``strict``), so checking at the ``return`` would not
+    be checking the answer the caller gets. Such a method is not rewritten."""
+
+    def visit(node: ast.AST, enclosed: bool) -> bool:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, _SCOPES):
+                continue
+            if isinstance(child, ast.Return) and enclosed:
+                return True
+            if visit(child, enclosed or isinstance(child, _ENCLOSING)):
+                return True
+        return False
+
+    return visit(func, False)
+
+
 def _admit_returns(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """Rewrite each ``return <value>`` of ``func``'s own scope (module docstring,
     ``admission_return``); False (nothing changed) when it does not qualify or has none."""
     names = admission_return_names(func)
-    if names is None:
+    if names is None or _guarded_return(func):
         return False
     found = False
 

@@ -302,6 +302,19 @@ def test_admission_return_refuses_a_method_that_rebinds_what_it_would_pass(state
     assert GLOBAL_ADMIT_RETURN not in sched_cls.get_num_new_matched_tokens.__code__.co_names
 
 
+@pytest.mark.parametrize("block", ["with lock:", "try:"])
+def test_admission_return_refuses_a_return_inside_try_or_with(block):
+    """A ``return`` inside ``with`` / ``try``: vLLM's ``__exit__`` / ``finally`` would run
+    after the check, or its handler could catch a strict raise. Not rewritten."""
+    body = "            return len(hits) * 2, helper() == \"nested\"\n"
+    tail = "        finally:\n            pass\n" if block == "try:" else ""
+    src = LOOKUP_SRC.replace("        return len(hits) * 2, helper() == \"nested\"\n",
+                             f"        lock = None\n        {block}\n{body}{tail}")
+    assert src != LOOKUP_SRC
+    _, found = _lookup_with(src, [ADMIT], lambda *a: pytest.fail("called"))
+    assert found == set()
+
+
 def test_admission_return_needs_the_parameters_by_name():
     src = LOOKUP_SRC.replace("num_computed_tokens", "num_tokens")
     _, found = _lookup_with(src, [ADMIT], lambda *a: pytest.fail("called"))
