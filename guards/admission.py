@@ -59,7 +59,7 @@ admit_return(self, request, num_computed_tokens, <answer>)`` (the ``admission_re
 kind of :mod:`kvguard.guards.rewrite`, compiled with the function's other sites, vLLM's
 file and lines kept), so a lookup pays one call and no wrapper frame, no ``wrapt`` proxy
 and no argument binding (on the bench trace of 0.33.0, 3 Dec 2026, ``bench/step_toggle.py``:
-the admission part +2.6% of the median step through the pre-bound ``wrapt`` wrapper, +0.2%
+the admission part +2.6% of the median step through the pre-bound ``wrapt`` wrapper, +0.3%
 in the code, its per-step ratio +2.5% and +2.3%, the latter with the removal counting
 switched too; the README's Benchmark section has the figures).
 The rewrite applies where the method's parameters are named ``request`` and
