@@ -212,8 +212,9 @@ from typing import Any, Callable
 from kvguard.guards import names, runtime
 from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, keyword_argument_names
 from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
-from kvguard.guards.load_coverage import (
+from kvguard.guards.load_coverage import (  # Unsupported: defined there, raised here too
     GroupGeometry,
+    Unsupported,
     load_set,
     longest_loadable_hit,
 )
@@ -253,17 +254,6 @@ _PLAN_ATTR = "_kvguard_admission_plan"
 _VERDICTS_MAX = 4096
 #: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)
 _FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
-
-
-class Unsupported(Exception):
-    """The check cannot be made on this connector scheduler: kvguard cannot model or read
-    what it needs (message: what). ``reason``: one of
-    :data:`kvguard.guards.names.SKIP_REASONS`, the ``reason`` label of
-    ``kvguard_check_skipped_total`` (not a guard error: nothing in kvguard failed)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True,

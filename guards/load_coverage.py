@@ -90,8 +90,23 @@ from dataclasses import dataclass
 
 from kvguard.guards.invariants import cdiv
 
+
+class Unsupported(Exception):
+    """The check cannot be made on this connector scheduler: kvguard cannot model or read
+    what it needs (message: what). ``reason``: one of
+    :data:`kvguard.guards.names.SKIP_REASONS`, the ``reason`` label of
+    ``kvguard_check_skipped_total`` (not a guard error: nothing in kvguard failed).
+    Raised by the admission check (``kvguard.guards.admission``, which re-exports it) and
+    met by the store check (``kvguard.guards.runtime``): defined here, a module both can
+    import (admission imports runtime)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
 __all__ = [
     "GroupGeometry",
+    "Unsupported",
     "load_chunk_bounds",
     "load_chunks",
     "load_set",

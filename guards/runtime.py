@@ -60,6 +60,7 @@ from typing import Any
 
 from kvguard.guards import invariants, names
 from kvguard.guards.rewrite import GLOBAL_FAIL_REQUEST
+from kvguard.guards.load_coverage import Unsupported
 from kvguard.guards.store_coverage import GroupStore, group_store_problems
 from kvguard.guards.sites import KIND_WINDOW, Site
 
@@ -564,7 +565,7 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
     try:
         try:
             problems = _store_problems(spec, context)
-        except _Unsupported:  # a group kind or config kvguard cannot read: not checked
+        except Unsupported:  # a group kind or config kvguard cannot read: not checked
             return None
         _count_eval(names.CHECK_STORE_COVERAGE)
         if not problems:
@@ -596,11 +597,6 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
         return None
 
 
-class _Unsupported(Exception):
-    """``admission.Unsupported`` of a scheduler's group geometry, as :func:`_store_problems`
-    raises it (admission imports this module, so it is imported only where it is needed)."""
-
-
 def _store_problems(spec: Any, context: dict[str, Any]) -> list[str]:
     """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
     (prefixed ``group <g>:``); groups with no block in this store are skipped."""
@@ -610,10 +606,7 @@ def _store_problems(spec: Any, context: dict[str, Any]) -> list[str]:
     if geometries is None:
         from kvguard.guards import admission
 
-        try:
-            geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
-        except admission.Unsupported as why:
-            raise _Unsupported(str(why)) from None
+        geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
     num_tokens = int(req_status.req.num_tokens)
     # vLLM keeps the ids as a numpy array (0.21-0.34): tolist() gives plain ints at once;
     # list() would give numpy scalars, slow to build and to compare with the table's ints
