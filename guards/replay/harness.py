@@ -683,6 +683,7 @@ def _guard_report(result: ReplayResult) -> None:
         (names.CHECK_LOAD_COVERAGE, admission.snapshot()),
         (names.CHECK_PROMOTION_FIT, admission.snapshot_promotion_fit()),
         (names.CHECK_PROMOTION_PROGRESS, admission.snapshot_promotion_progress()),
+        (names.CHECK_COPY_COVERAGE, admission.snapshot_copy_coverage()),
     ):
         result.checks[check] = {**result.checks.get(check, {}), **counts}
     result.guard_errors = runtime.guard_errors()

@@ -1,0 +1,240 @@
+"""Copy coverage: a load places inside a reader's read range only slots a store copied.
+
+The end-to-end invariant behind "never wrong KV" on the offload path: **every GPU block
+that a load of an offload hit writes holds KV that a store really copied into that chunk
+slot from the GPU block holding those positions.** A load writes exactly the GPU blocks
+``[start, cdiv(num_cached_tokens, tokens_per_block))`` of each KV cache group, ``start``
+the first block that is neither a local prefix-cache block nor one the group's manager
+skips (:func:`kvguard.guards.load_coverage.load_chunk_bounds`), and every one of them lies
+inside the widest read range of the reader's first step: ``[0, n)`` for full attention,
+``[n - sliding_window + 1 - reprefill, n)`` for a sliding window with ``reprefill`` up to
+``extra_retained_tokens`` (the MTP rejection re-prefill, PR #48892), the one block holding
+token ``n - 1`` for Mamba (``n = num_cached_tokens``; docs/fuzz.md, "Which blocks must hold
+the right KV"). So the rule needs no per-kind read range: every loaded slot must have
+been copied. ``reprefill`` is taken at its widest because admission runs before the
+request's speculative tokens are known.
+
+Why a ledger (vLLM 0.33.0 / 0.34.0, traced in docs/upstream/swa-partial-chunk.md): the
+store builder (``OffloadingConnectorScheduler._build_store_jobs``) publishes a
+sliding-window chunk whose first sub-blocks are null for the *storing* request (its window
+has moved past them, or a GPU prefix-cache hit supplied only the last window's blocks),
+because its reachability mask looks only at where that request could resume. The key is
+content-addressed: a later request whose hit ends at that chunk's end reads those
+sub-blocks inside its window and gets KV nobody copied (0.33.0 leaves the CPU slots as they
+were; 0.34.0 copies the zeroed null page). Whether a sub-block is legal to leave out
+depends on the *reader*, so the store cannot judge it; the admission check can, if it
+knows which slots each chunk really holds. kvguard sees every chunk store's
+``GPULoadStoreSpec`` where vLLM builds it (:func:`kvguard.guards.runtime.check_store`), so it
+keeps that knowledge here.
+
+What is kept: per connector scheduler and KV cache group, ``offload key -> mask`` for each
+chunk a store wrote *partly* (bit ``s`` set: sub-block ``s`` was copied from the GPU block
+the request's table holds at that logical position, and that block is not the null block
+0). A chunk written whole is not kept (and a whole re-store of a key drops its old entry),
+so the usual full-attention store costs one slice comparison and leaves nothing behind.
+Entries are never dropped when the CPU tier evicts a key: a key can come back without a
+store that kvguard sees (promoted from a secondary tier that holds the partial copy), and a
+kept entry only costs a recompute; the ledger is bounded instead (:data:`LEDGER_MAX`
+entries per scheduler, the oldest dropped first, counted as ``ledger_full`` skips).
+
+Which slots a store writes is the copy engine's rule (``transfer_async`` in
+``vllm/v1/kv_offload/cpu/gpu_worker.py``, 0.21.0-0.34.0; :mod:`kvguard.guards.store_coverage`):
+the spec lists group ``g``'s ``group_sizes[g]`` block ids from logical block
+``block_indices[g]``; ``skip = block_indices[g] % blocks_per_chunk``; id ``i`` lands in
+sub-block ``(skip + i) % blocks_per_chunk`` of the group's ``(skip + i) //
+blocks_per_chunk``-th destination chunk, and the group's destination chunks are its
+offload keys that the store writes (``keys_to_store``), in chunk order from the chunk
+holding ``block_indices[g]`` (the builder walks ``group_state.offload_keys`` in order and
+keeps those in ``keys_to_store``: the same in every release).
+
+Not covered (written down, counted where it matters): stores built elsewhere than the
+chunk store builder (0.33+'s boundary-key stores for Mamba hand-offs and partial tails:
+a partial-tail hit is skipped by the admission check anyway, and a Mamba group's load is
+one block, the boundary state those stores write).
+
+Plain ints and lists in, masks out; stdlib only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+__all__ = [
+    "LEDGER_ATTR",
+    "LEDGER_MAX",
+    "CopyLedger",
+    "destination_chunks",
+    "chunk_masks",
+    "first_uncopied_block",
+]
+
+#: partly written chunks kept per connector scheduler (all groups) before the oldest is
+#: dropped; a few dozen bytes each, so at most a few MB. A partly written chunk is one per
+#: sliding-window group at the edge of a storing request's window.
+LEDGER_MAX = 65536
+#: attribute on each connector scheduler instance: its :class:`CopyLedger` (made at its first store)
+LEDGER_ATTR = "_kvguard_copy_ledger"
+
+
+def destination_chunks(offload_keys: Sequence[Any], keys_to_store: Collection[Any],
+                       first_chunk: int, count: int) -> list[int]:
+    """The logical chunk indices (of ``offload_keys``) a group's part of a store writes, in
+    the copy engine's order: the first ``count`` chunks from ``first_chunk`` on whose key
+    is in ``keys_to_store``. Shorter than ``count`` when the keys run out (a store the
+    builder could not have made: the caller treats the missing chunks as unwritten)."""
+    out: list[int] = []
+    c = first_chunk
+    n = len(offload_keys)
+    while len(out) < count and c < n:
+        if offload_keys[c] in keys_to_store:
+            out.append(c)
+        c += 1
+    return out
+
+
+def chunk_masks(table: Sequence[int], copied: Sequence[int], first_index: int, blocks_per_chunk: int,
+                chunks: Sequence[int]) -> list[int]:
+    """Per destination chunk (``chunks``, logical chunk indices in order), the mask of its
+    sub-blocks the store copies right: bit ``s`` of mask ``r`` is set when copied id ``i =
+    r * blocks_per_chunk + s - skip`` exists, is not the null block 0, and is the id the
+    request's table holds at logical block ``chunks[r] * blocks_per_chunk + s``
+    (``skip = first_index % blocks_per_chunk``). ``table``: the connector's block ids of
+    the group; ``copied``: the group's ids in the spec. A full chunk's mask is
+    ``(1 << blocks_per_chunk) - 1``."""
+    bpc = blocks_per_chunk
+    skip = first_index % bpc
+    ncopied = len(copied)
+    ntable = len(table)
+    masks = []
+    for r, c in enumerate(chunks):
+        mask = 0
+        base = c * bpc
+        for s in range(bpc):
+            i = r * bpc + s - skip
+            if 0 <= i < ncopied:
+                bid = copied[i]
+                if bid and base + s < ntable and table[base + s] == bid:
+                    mask |= 1 << s
+        masks.append(mask)
+    return masks
+
+
+def first_uncopied_block(tokens_per_block: int, blocks_per_chunk: int, kept_tokens: int | None,
+                         num_computed_tokens: int, num_cached_tokens: int, offload_keys: Sequence[Any],
+                         ledger: dict) -> int:
+    """The first GPU block (logical index) that the load of a hit ending at
+    ``num_cached_tokens`` (tokens) writes from a chunk slot no store copied, or -1.
+
+    ``num_computed_tokens``: the local prefix-cache hit (tokens); ``kept_tokens``: as
+    :attr:`kvguard.guards.load_coverage.GroupGeometry.kept_tokens` (None: full attention);
+    ``ledger``: this group's ``key -> mask`` of partly written chunks (a key not in it was
+    written whole). The loaded blocks are those of
+    :func:`~kvguard.guards.load_coverage.load_chunk_bounds`; chunks past ``offload_keys``
+    are the load coverage check's business (not looked at here)."""
+    tpb, bpc = tokens_per_block, blocks_per_chunk
+    stop = -(-num_cached_tokens // tpb)
+    start = num_computed_tokens // tpb
+    if kept_tokens is not None:
+        skipped = num_cached_tokens - kept_tokens
+        if skipped > 0 and skipped // tpb > start:
+            start = skipped // tpb
+    if start >= stop:
+        return -1
+    last = min(-(-stop // bpc), len(offload_keys))
+    for c in range(start // bpc, last):
+        mask = ledger.get(offload_keys[c])
+        if mask is None:
+            continue
+        lo = max(start, c * bpc) - c * bpc
+        hi = min(stop, (c + 1) * bpc) - c * bpc
+        want = ((1 << hi) - 1) ^ ((1 << lo) - 1)
+        if mask & want != want:
+            missing = want & ~mask
+            return c * bpc + (missing & -missing).bit_length() - 1
+    return -1
+
+
+class CopyLedger:
+    """The partly written chunks of one connector scheduler: ``groups[g]`` maps an offload
+    key of KV cache group ``g`` to its copied sub-block mask (module docstring).
+
+    ``dropped``: entries dropped at the :data:`LEDGER_MAX` bound (each one a chunk whose
+    partial copy kvguard no longer knows: counted as ``ledger_full``); ``unreadable``: why
+    a store could not be recorded (None while every store was), after which the admission
+    check skips copy coverage on this scheduler."""
+
+    __slots__ = ("groups", "size", "dropped", "limit", "unreadable")
+
+    def __init__(self, num_groups: int, limit: int = LEDGER_MAX) -> None:
+        self.groups: list[dict] = [{} for _ in range(num_groups)]
+        self.size = 0
+        self.dropped = 0
+        self.limit = limit
+        self.unreadable: str | None = None
+
+    def any(self) -> bool:
+        """Whether any partly written chunk is known."""
+        return self.size > 0
+
+    def record(self, group: int, keys: Sequence[Any], masks: Sequence[int], full: int) -> None:
+        """Record the masks of one group's written chunks (``keys[r]`` got ``masks[r]``);
+        a whole chunk (``full``) drops the key's earlier entry, if any."""
+        ledger = self.groups[group]
+        for key, mask in zip(keys, masks):
+            if mask == full:
+                if ledger and ledger.pop(key, None) is not None:
+                    self.size -= 1
+                continue
+            if key not in ledger:
+                self.size += 1
+            ledger[key] = mask
+        while self.size > self.limit:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        biggest = max(self.groups, key=len)
+        del biggest[next(iter(biggest))]
+        self.size -= 1
+        self.dropped += 1
+
+
+def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], copied: Sequence[int],
+                       first_index: int, blocks_per_chunk: int, offload_keys: Sequence[Any],
+                       keys_to_store: Collection[Any]) -> None:
+    """Record what one KV cache group's part of a store (``copied`` ids from logical block
+    ``first_index``) writes into its destination chunks (module docstring). The usual
+    store (chunk aligned, whole chunks, the table's ids in place, no null id) writes whole
+    chunks only and costs one slice comparison and a key lookup per chunk when the
+    ledger holds entries of the group."""
+    bpc = blocks_per_chunk
+    skip = first_index % bpc
+    count = -(-(skip + len(copied)) // bpc)
+    chunks = destination_chunks(offload_keys, keys_to_store, first_index // bpc, count)
+    full = (1 << bpc) - 1
+    keys = [offload_keys[c] for c in chunks]
+    contiguous = bool(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1
+    if (skip == 0 and len(copied) == count * bpc and len(chunks) == count and contiguous
+            and 0 not in copied and table[first_index : first_index + len(copied)] == list(copied)):
+        if ledger.groups[group]:
+            ledger.record(group, keys, [full] * len(keys), full)
+        return
+    masks = chunk_masks(table, copied, first_index, bpc, chunks)
+    ledger.record(group, keys, masks, full)
+
+
+def ok_for(ledger: CopyLedger, fast: Sequence[tuple[int, int, int, int | None]], group_states: Sequence[Any],
+           num_computed_tokens: int) -> Callable[[int], bool]:
+    """``end -> bool``: whether a hit ending at ``end`` tokens loads only copied slots in
+    every group (``fast``: per group ``(tokens_per_block, blocks_per_chunk,
+    tokens_per_chunk, kept_tokens)``, ``group_states[g].offload_keys`` its keys)."""
+
+    def ok(end: int) -> bool:
+        for g, (tpb, bpc, _tpc, kept) in enumerate(fast):
+            groups = ledger.groups[g]
+            if groups and first_uncopied_block(tpb, bpc, kept, num_computed_tokens, end,
+                                               group_states[g].offload_keys, groups) >= 0:
+                return False
+        return True
+
+    return ok
