@@ -128,13 +128,17 @@ bench-lockstep:
 	scripts/env.sh vllm-0.33.0
 	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
 
-## fuzz: kvguard's reliability figure (issues 10, 22): on every full release, an unhinted
-## --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, one table
-FUZZ_EXAMPLES ?= 2000
+## fuzz: kvguard's reliability figure: on every full release and each of FUZZ_SEEDS, an
+## unhinted --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, one
+## table (FUZZ_FLAGS=--guarded-only: the guarded goals alone, half the time)
+FUZZ_EXAMPLES ?= 5000
+FUZZ_SEEDS ?= 1 2 3
+FUZZ_FLAGS ?=
 fuzz:
 	scripts/env.sh light
 	for v in $(VLLM_VERSIONS); do scripts/env.sh vllm-$$v; done
-	.venvs/light/bin/python bench/fuzz_bench.py --versions $(VLLM_VERSIONS) --examples $(FUZZ_EXAMPLES) --jobs 2
+	.venvs/light/bin/python bench/fuzz_bench.py --versions $(VLLM_VERSIONS) --examples $(FUZZ_EXAMPLES) \
+	  --seeds $(FUZZ_SEEDS) --jobs 2 $(FUZZ_FLAGS)
 
 clean:
 	rm -rf .venvs

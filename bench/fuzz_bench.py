@@ -1,6 +1,7 @@
 """kvguard's reliability figure on every full release (issues 10 and 22): one table.
 
-    python bench/fuzz_bench.py --versions 0.21.0 ... 0.34.0 [--examples 2000] [--seed 0] [--jobs 2] [--json]
+    python bench/fuzz_bench.py --versions 0.21.0 ... 0.34.0 [--examples 2000] [--seeds 0 1 2] [--jobs 2]
+                               [--guarded-only] [--json]
 
 For each vLLM release it runs, in that release's environment (``.venvs/vllm-<v>``, built by
 ``scripts/env.sh vllm-<v>``; ``make fuzz`` builds them):
@@ -11,7 +12,10 @@ For each vLLM release it runs, in that release's environment (``.venvs/vllm-<v>`
 - with the guard: ``kvguard fuzz --guard`` on the same examples: kvguard-caused deaths,
   requests lost, wrong-KV blocks, kvguard bugs (goal 0, 0, 0, 0), and what kvguard did.
 
-``--examples`` fixes the budget, so the figures are reproducible for a seed and release.
+``--examples`` fixes the budget, so the figures are reproducible for a seed and release;
+``--seeds`` runs every release once per seed (one row each: a "never" is claimed over
+traffic from several seeds, not one). ``--guarded-only`` skips the unguarded search (the
+guarded goals alone, half the time; its column then reads "not run").
 ``--jobs`` runs that many fuzz processes side by side (one per core). Prints one table
 (Markdown) and each release's classes; exit status 1 when a release misses a guarded goal
 or a run failed (a harness error included), else 0.
@@ -60,19 +64,22 @@ def _kinds(report: dict) -> str:
 
 
 def table(pairs: list[tuple[dict, dict]]) -> list[str]:
-    """The Markdown table: one row per release (unguarded search, guarded figures)."""
+    """The Markdown table: one row per release and seed (unguarded search, guarded figures)."""
     rows = [
-        "| vLLM | examples | steps | requests | vLLM alone: classes (wrong-KV blocks, deaths, lost) "
+        "| vLLM | seed | examples | steps | requests | vLLM alone: classes (wrong-KV blocks, deaths, lost) "
         "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs | failed requests (ended with an error) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for plain, guarded in pairs:
         if "error" in plain or "error" in guarded:
-            rows.append(f"| {plain['vllm_version']} | FAILED: {plain.get('error') or guarded.get('error')} |")
+            rows.append(f"| {guarded['vllm_version']} | {guarded.get('seed')} | FAILED: "
+                        f"{plain.get('error') or guarded.get('error')} |")
             continue
+        alone = "not run" if plain.get("skipped") else \
+            f"{_kinds(plain)} ({plain['wrong_kv_blocks']}, {plain['engine_deaths']}, {plain['requests_lost']})"
         rows.append(
-            f"| {guarded['vllm_version']} | {guarded['examples']} | {guarded['steps']} | {guarded['requests']} "
-            f"| {_kinds(plain)} ({plain['wrong_kv_blocks']}, {plain['engine_deaths']}, {plain['requests_lost']}) "
+            f"| {guarded['vllm_version']} | {guarded['seed']} | {guarded['examples']} | {guarded['steps']} "
+            f"| {guarded['requests']} | {alone} "
             f"| {guarded['kvguard_deaths']} | {guarded['requests_lost']} | {guarded['wrong_kv_blocks']} "
             f"| {guarded['kvguard_bugs']} | {guarded.get('requests_failed', 0)} |"
         )
@@ -83,31 +90,42 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", nargs="+", required=True)
     ap.add_argument("--examples", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="Hypothesis seeds: one run each")
+    ap.add_argument("--guarded-only", action="store_true", help="skip the unguarded search")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="directory for the minimal traces (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="kvguard-fuzz-bench-"))
-    work = [(v, g) for v in args.versions for g in (False, True)]
+    runs = [(v, s) for s in args.seeds for v in args.versions]
+    modes = (True,) if args.guarded_only else (False, True)
+    work = [(v, s, g) for v, s in runs for g in modes]
+
+    def one(vsg: tuple[str, int, bool]) -> dict:
+        v, s, g = vsg
+        return run(v, g, args.examples, s, out / f"seed-{s}")
+
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        done = list(pool.map(lambda vg: run(vg[0], vg[1], args.examples, args.seed, out), work))
-    pairs = [(done[2 * i], done[2 * i + 1]) for i in range(len(args.versions))]
+        done = list(pool.map(one, work))
+    if args.guarded_only:
+        pairs = [({"vllm_version": v, "seed": s, "skipped": True}, g) for (v, s), g in zip(runs, done)]
+    else:
+        pairs = [(done[2 * i], done[2 * i + 1]) for i in range(len(runs))]
     ok = all("error" not in p and "error" not in g and not any(g[k] for k in GOALS) for p, g in pairs)
-    lines = [f"kvguard fuzz bench: seed {args.seed}, {args.examples} examples per release and mode; "
-             f"traces under {out}", *table(pairs)]
+    lines = [f"kvguard fuzz bench: seeds {' '.join(map(str, args.seeds))}, {args.examples} examples per release, "
+             f"seed and mode; traces under {out}", *table(pairs)]
     for plain, guarded in pairs:
         for label, r in (("vLLM alone", plain), ("guarded", guarded)):
-            if "error" in r:
+            if "error" in r or r.get("skipped"):
                 continue
-            lines.append(f"{r['vllm_version']} {label}: {r['wall_s']} s")
+            lines.append(f"{r['vllm_version']} seed {r['seed']} {label}: {r['wall_s']} s")
             for c in r["classes"]:
                 did = f": kvguard {', '.join(c['kvguard_did'])}" if c.get("kvguard_did") else ""
                 lines.append(f"    {c['kind']:8} x{c['count']:<4} {c['class']}{did}")
                 if c.get("upstream_report"):
                     lines.append(f"        upstream report: {c['upstream_report']}")
     if args.json:
-        print(json.dumps({"seed": args.seed, "examples": args.examples, "pairs": pairs, "ok": ok}))
+        print(json.dumps({"seeds": args.seeds, "examples": args.examples, "pairs": pairs, "ok": ok}))
         print("\n".join(lines), file=sys.stderr)
     else:
         print("\n".join(lines))
