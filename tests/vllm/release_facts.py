@@ -36,6 +36,16 @@ FACTS: dict[str, str] = {
         "vLLM #49118: `python tests/vllm/degrade_replay.py tests/vllm/traces/abort-queued-49118.jsonl`: "
         "no_guard.engine_survived is false (true) or true (false)"
     ),
+    "swa_partial_chunk_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-swa-partial-chunk.jsonl`: "
+        "wrong_kv_blocks (vLLM publishes a sliding-window chunk whose first sub-blocks the storing "
+        "request had skipped; docs/upstream/swa-partial-chunk.md)"
+    ),
+    "swa_partial_chunk_033_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-swa-partial-chunk-033.jsonl`: "
+        "wrong_kv_blocks (the same class as found by `kvguard fuzz --no-guard --seed 2` on 0.33.0; null "
+        "where the trace's geometry cannot be expressed)"
+    ),
     "stale_zeroing_026_wrong_kv_blocks": (
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "
         "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"

@@ -1,0 +1,172 @@
+"""Copy coverage on vLLM's real scheduler: a load writes only slots a store copied.
+
+The class (docs/upstream/swa-partial-chunk.md): vLLM 0.33.0 and 0.34.0 publish a
+sliding-window chunk whose first sub-blocks the storing request had skipped (it got them
+as null blocks from a GPU prefix-cache hit), because the store's reachability mask looks
+only at where *that* request could resume; a later request whose hit ends at the chunk's
+end reads those sub-blocks inside its window. ``wrong-kv-swa-partial-chunk.jsonl`` is
+written from that mechanism, not shrunk from a fuzz run: ``writer`` computes 64 tokens
+(window 24, chunks of 16 tokens, blocks of 4); ``sharer`` shares its first 28 tokens (a
+GPU hit: the window group gets blocks 1..6, block 0 null) and stores sliding-window chunk
+0 with sub-block 0 never copied (reachable for it only through its later sub-blocks);
+``evictor`` flushes the GPU prefix cache; ``reader`` shares the first 16 tokens, hits
+chunk 0 on the CPU, and its window at 16 reads from token 0.
+
+How many wrong blocks vLLM alone serves is a measured release fact
+(``swa_partial_chunk_wrong_kv_blocks``); the guard must serve none on every release, each
+request finishing, and name ``copy_coverage`` where vLLM alone serves wrong KV.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from release_facts import fact
+
+from kvguard.guards import events, names
+from kvguard.guards.replay import harness
+from kvguard.guards.replay.trace import load_trace
+
+pytestmark = pytest.mark.vllm
+
+TRACES = Path(__file__).parent / "traces"
+CLASS_TRACE = "wrong-kv-swa-partial-chunk.jsonl"
+#: the same class as the fuzzer found it on 0.33.0 (seed 2, shrunk): mixed layout, extra_retained_tokens 2
+FUZZ_TRACE = "wrong-kv-swa-partial-chunk-033.jsonl"
+STALE_TRACES = [("wrong-kv-stale-zeroing-026.jsonl", "stale_zeroing_026_wrong_kv_blocks"),
+                ("wrong-kv-stale-zeroing-029.jsonl", "stale_zeroing_029_wrong_kv_blocks")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_guard():
+    harness.uninstall_guard()  # a guard installed earlier in this process keeps its policy
+    yield
+    harness.uninstall_guard()
+
+
+def _expressible(trace) -> bool:
+    try:
+        engine = harness.build_engine(trace.geometry, trace.worker)
+    except RuntimeError:  # the release cannot express the geometry (the harness's own probes)
+        return False
+    del engine
+    return True
+
+
+def test_the_class_as_the_fuzzer_found_it() -> None:
+    """The fuzz finding (0.33.0, seed 2): a 122-token shared prefix's GPU hit leaves the
+    window group's first blocks null; the sharer publishes chunk 0 with them; the next turn
+    loads it with a 111-token window reading from 0. Guarded: 0 wrong blocks, every request
+    finishing, the hit cut by copy coverage."""
+    trace = load_trace(str(TRACES / FUZZ_TRACE))
+    want = fact("swa_partial_chunk_033_wrong_kv_blocks")
+    if want is None:
+        assert not _expressible(trace)
+        return
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled and plain.wrong_kv_blocks == want
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == guarded.submitted == len(trace.requests)
+    assert (guarded.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1) == bool(want)
+
+
+def test_the_swa_partial_chunk_class_on_this_release() -> None:
+    trace = load_trace(str(TRACES / CLASS_TRACE))
+    want = fact("swa_partial_chunk_wrong_kv_blocks")
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled
+    assert plain.wrong_kv_blocks == want, plain.worker.oracle.wrong_kv
+    if want:  # the wrong block is the window group's never-copied slot, read by `reader`
+        assert {w["request_id"] for w in plain.worker.oracle.wrong_kv} == {"reader"}
+        assert all("never-written" in w["what"] for w in plain.worker.oracle.wrong_kv)
+    with events.capture() as logged:
+        guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok, (guarded.error, guarded.stalls, guarded.worker.oracle.wrong_kv)
+    assert guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == guarded.submitted == len(trace.requests) and not guarded.failed_requests
+    copies = guarded.checks[names.CHECK_COPY_COVERAGE]
+    reduced = [e for e in logged if e["event"] == "hit_reduced" and e["check"] == names.CHECK_COPY_COVERAGE]
+    if want:
+        # the reader's 16-token hit is cut to 0 (its only chunk holds the uncopied slot)
+        assert copies["hit_reduced"] == 1 and copies["recomputed_tokens"] == 16
+        assert reduced and reduced[0]["request_id"] == "reader" and reduced[0]["admitted_hit_tokens"] == 0
+        assert "block 0" in reduced[0]["first_missing"]
+    else:
+        assert copies["violations"] == 0 and not reduced
+
+
+@pytest.mark.parametrize("policy", ["observe", "strict"])
+def test_observe_counts_and_strict_raises(policy: str) -> None:
+    want = fact("swa_partial_chunk_wrong_kv_blocks")
+    if not want:
+        pytest.skip("vLLM alone serves no wrong KV with this trace on this release "
+                    "(release fact swa_partial_chunk_wrong_kv_blocks)")
+    trace = load_trace(str(TRACES / CLASS_TRACE))
+    result = harness.run_replay(trace, guard=True, policy=policy)
+    copies = result.checks[names.CHECK_COPY_COVERAGE]
+    if policy == "observe":  # vLLM's behaviour exactly: the same wrong KV, counted
+        assert result.engine_survived and result.wrong_kv_blocks == want
+        assert copies["continued"] == 1 and copies["hit_reduced"] == 0
+    else:
+        assert not result.engine_survived and result.wrong_kv_blocks == 0
+        assert copies["raised"] == 1
+        assert "kvguard copy_coverage" in result.error
+
+
+@pytest.mark.parametrize(("name", "fact_name"), STALE_TRACES, ids=[c[0] for c in STALE_TRACES])
+def test_the_ledger_alone_prevents_the_stale_zeroing_class(name: str, fact_name: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the store coverage check switched off, copy coverage alone keeps the reader off
+    the chunks the stale-id zeroing published without their blocks (the measurement behind
+    "the ledger subsumes store_coverage's protection"; store_coverage stays for naming the
+    cause at the store)."""
+    want = fact(fact_name)
+    if not want:
+        pytest.skip(f"vLLM alone serves no wrong KV with this trace on this release (release fact {fact_name})")
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", names.STORE_COVERAGE_SITE_ID)
+    result = harness.run_replay(load_trace(str(TRACES / name)), guard=True)
+    assert result.ok and result.wrong_kv_blocks == 0
+    assert result.checks[names.CHECK_STORE_COVERAGE]["violations"] == 0  # it was off
+    assert result.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1
+
+
+def _planted_spec(module, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Plant a store that leaves out one GPU block: the first store spec built by the store
+    builder gets its first full-attention id replaced by the null block 0 (what a stale
+    table entry does), in vLLM's own module, so it holds guarded and unguarded alike."""
+    real = module.GPULoadStoreSpec
+    planted: list[int] = []
+
+    def spec(block_ids, *args, **kwargs):
+        caller = inspect.currentframe().f_back.f_code.co_name
+        if caller == "_build_store_jobs" and not planted and len(block_ids) and block_ids[0] != 0:
+            block_ids = [0, *list(block_ids)[1:]]
+            planted.append(1)
+        return real(block_ids, *args, **kwargs)
+
+    monkeypatch.setattr(module, "GPULoadStoreSpec", spec)
+    return planted
+
+
+def test_a_planted_store_that_skips_a_block_is_flagged_unguarded_and_cut_guarded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oracle's positive control for stores: the planted store leaves block 0 of the
+    writer's first chunk uncopied; the reader's hit loads it inside its read range."""
+    import importlib
+
+    # the OffloadingConnector's scheduler side, in every full release (0.21.0-0.34.0)
+    module = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    trace = load_trace(str(TRACES / CLASS_TRACE))
+    planted = _planted_spec(module, monkeypatch)
+    plain = harness.run_replay(trace, guard=False)
+    assert planted and plain.engine_survived
+    assert any(w["group"] == 0 and w["block_index"] == 0 for w in plain.worker.oracle.wrong_kv), \
+        plain.worker.oracle.wrong_kv
+    planted.clear()
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", names.STORE_COVERAGE_SITE_ID)  # the ledger alone
+    guarded = harness.run_replay(trace, guard=True)
+    assert planted and guarded.ok and guarded.wrong_kv_blocks == 0
+    assert guarded.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1
