@@ -41,6 +41,17 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
         "that hold those positions",
         "vLLM issues #55712, #56709 (prepare_load on chunks the manager no longer holds)",
     ),
+    names.CHECK_COPY_COVERAGE: (
+        "every GPU block a load writes comes from a chunk slot that a store copied from the GPU "
+        "block the storing request's table held at that position (not the null block): the "
+        "copy ledger kept at the store site, read at admission (guards/copy_ledger.py)",
+        "a chunk key is published only when every sub-block that a hit ending at any of the "
+        "chunk's boundaries would load inside the reader's read range was copied (or keys are "
+        "made per boundary): the store's reachability mask must not judge by the storing "
+        "request's own resume points alone (docs/upstream/swa-partial-chunk.md)",
+        "vLLM PR #42959 (the stale-id zeroing), RFC #52837 (offload sources from prefix-cache "
+        "records); the reachability mask of 0.33.0 / 0.34.0's `_build_store_jobs`",
+    ),
     names.CHECK_GROUP_SIZES_CONSISTENCY: (
         "sum(group_sizes) == len(block_ids) and len(block_indices) == len(group_sizes) in a "
         "GPULoadStoreSpec",

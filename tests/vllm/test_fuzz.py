@@ -226,13 +226,17 @@ def test_same_step_prefix_hit_is_not_wrong_kv():
     assert result.wrong_kv_blocks == 0 and outcome.findings == []
 
 
-#: Examples of the fixed-seed guarded run on every full release (issue 22: the CI's share
-#: of the reliability figure; ``make fuzz`` runs 2,000 per release with the unhinted search)
+#: Examples of each fixed-seed guarded run on every full release (the CI's share of the
+#: reliability figure; ``make fuzz`` runs 5,000 per release and seed, README "Reliability")
 GUARDED_EXAMPLES = 200
+#: The fixed seeds: two, so a "never" in CI stands on traffic of more than one draw (seed 1
+#: took 52-92 s per release on 0.29.0 / 0.34.0 on a loaded 2-core machine, 3 Dec 2026)
+GUARDED_SEEDS = (0, 1)
 
 
-def test_guarded_fuzz_has_no_kvguard_bug(tmp_path):
-    """Seed 0, guard on, KV cache layouts drawn where the release expresses them (the
+@pytest.mark.parametrize("seed", GUARDED_SEEDS)
+def test_guarded_fuzz_has_no_kvguard_bug(tmp_path, seed):
+    """Seeds 0 and 1, guard on, KV cache layouts drawn where the release expresses them (the
     default), on every full release: 0 kvguard-caused deaths, 0 requests lost, 0 wrong-KV
     blocks, no kvguard bug, no guard error and no geometry vLLM refuses (issues 10, 22). On
     0.33.0 before the ``promotion_progress`` check (2 Dec 2026) this run lost 8 requests in 7
@@ -251,7 +255,7 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path):
                 lost[t["examples"] + t["invalid_geometries"] - 1] = t["requests_lost"] - seen["requests_lost"]
             seen["requests_lost"] = t["requests_lost"]
 
-    r = runner.fuzz(seed=0, examples=GUARDED_EXAMPLES, guard=True, out_dir=tmp_path, shrink_replays=10,
+    r = runner.fuzz(seed=seed, examples=GUARDED_EXAMPLES, guard=True, out_dir=tmp_path, shrink_replays=10,
                     progress=progress)
     assert r["guard"] is True and r["policy"] == "guard" and r["harness_error"] is None
     # every generated geometry passes vLLM's start-up check: the generator's floor is at
@@ -263,7 +267,7 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path):
     assert r["kvguard_bugs"] == 0
     assert not any(c["kvguard_bug"] for c in r["classes"])
     assert not [c for c in r["classes"] if c["kind"] == "guard-error"]
-    traces = runner.generate(0, GUARDED_EXAMPLES)  # the same examples, in order (no geometry refused)
+    traces = runner.generate(seed, GUARDED_EXAMPLES)  # the same examples, in order (no geometry refused)
     # the report counts exactly the layouts of the traces this seed generates; where the
     # release expresses them (its own probes), they include several groups, mixed block
     # sizes and extra_retained_tokens
