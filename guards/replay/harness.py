@@ -562,7 +562,8 @@ class _Replay:
         self.idle_steps += 1
         if self.idle_steps >= STALL_STEPS and (self.live or self.pending):
             self.result.stalled = True
-            self.result.stalls = self.watch.findings(self.result.steps, self.live, self.engine.worker)
+            self.result.stalls = self.watch.findings(
+                self.result.steps, self.live, self.engine.worker, scheduler=self.engine.scheduler)
             return True
         return False
 
@@ -639,7 +640,8 @@ def run_replay(
         replay.run(progress, before_step)
     except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
         result.stalled = True
-        result.stalls = watch.findings(result.steps, replay.live, engine.worker, hang.jobs)
+        result.stalls = watch.findings(result.steps, replay.live, engine.worker, hang.jobs,
+                                      scheduler=engine.scheduler)
     except _BuildFailed as failed:
         raise failed.__cause__ from None
     except Exception as exc:

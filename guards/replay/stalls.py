@@ -19,8 +19,12 @@ what state vLLM holds it in and why, from the real scheduler's and connector's s
       (the engine itself hangs);
   ``load_never_completes``
       ``WAITING_FOR_REMOTE_KVS`` with its load job still in flight;
+  ``remote_kvs_never_promoted``
+      ``WAITING_FOR_REMOTE_KVS``, its load reported done (the request id is in the
+      scheduler's ``finished_recving_kv_req_ids``) but vLLM's waiting scan never reaches
+      it: an unschedulable request ahead of it ``break``s the scan (vLLM #45388);
   ``remote_kvs_never_reported``
-      ``WAITING_FOR_REMOTE_KVS`` with no load in flight (``finished_recving`` lost);
+      ``WAITING_FOR_REMOTE_KVS`` with no load in flight and none reported (``finished_recving`` lost);
   ``store_never_completes``
       the lookup is deferred while a store job in the worker never completes: its
       offloaded blocks stay "being written" and the lookup answers "retry later" (#49829);
@@ -115,7 +119,8 @@ class StallWatch:
         return view
 
     def findings(
-        self, step: int, live: dict[str, Any], worker: Any, hung_flush: list[Any] | None = None
+        self, step: int, live: dict[str, Any], worker: Any, hung_flush: list[Any] | None = None,
+        scheduler: Any = None
     ) -> list[dict[str, Any]]:
         """One finding per live request: ``{request_id, status, waiting_steps, kind, connector}``.
 
@@ -135,7 +140,14 @@ class StallWatch:
             if hung_flush:
                 kind = "flush_waits_forever"
             elif st.status == "WAITING_FOR_REMOTE_KVS":
-                kind = "load_never_completes" if view["pending_loads"] else "remote_kvs_never_reported"
+                reported = rid in (getattr(scheduler, "finished_recving_kv_req_ids", None) or ())
+                view["load_reported"] = reported
+                if view["pending_loads"]:
+                    kind = "load_never_completes"
+                elif reported:
+                    kind = "remote_kvs_never_promoted"
+                else:
+                    kind = "remote_kvs_never_reported"
             elif st.deferred:
                 kind = "store_never_completes" if hung_stores else "lookup_deferred"
             elif st.status in ("WAITING", "PREEMPTED"):

@@ -46,6 +46,11 @@ FACTS: dict[str, str] = {
         "wrong_kv_blocks (the same class as found by `kvguard fuzz --no-guard --seed 2` on 0.33.0; null "
         "where the trace's geometry cannot be expressed)"
     ),
+    "remote_kvs_hol_stalls": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/stall-remote-kvs-hol-021.jsonl`: "
+        "stalled (true: request b waits in WAITING_FOR_REMOTE_KVS behind a head that cannot "
+        "allocate, vLLM #45388) or every request finishes (false)"
+    ),
     "stale_zeroing_026_wrong_kv_blocks": (
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "
         "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"
