@@ -30,12 +30,21 @@ keeps that knowledge here.
 What is kept: per connector scheduler and KV cache group, ``offload key -> mask`` for each
 chunk a store wrote *partly* (bit ``s`` set: sub-block ``s`` was copied from the GPU block
 the request's table holds at that logical position, and that block is not the null block
-0). A chunk written whole is not kept (and a whole re-store of a key drops its old entry),
-so the usual full-attention store costs one slice comparison and leaves nothing behind.
-Entries are never dropped when the CPU tier evicts a key: a key can come back without a
-store that kvguard sees (promoted from a secondary tier that holds the partial copy), and a
-kept entry only costs a recompute; the ledger is bounded instead (:data:`LEDGER_MAX`
-entries per scheduler, the oldest dropped first, counted as ``ledger_full`` skips).
+0). A chunk written whole is not kept, so the usual full-attention store costs one slice
+comparison and leaves nothing behind. Only a store that goes ahead is recorded (a store the
+``store_coverage`` check drops writes nothing). When is an entry forgotten:
+
+- never when the CPU tier evicts a key: a key can come back without a store that kvguard
+  sees (promoted from a secondary tier that holds the partial copy), and a kept entry only
+  costs a recompute;
+- on a whole re-store of the key, only without vLLM's tiering (``forget_on_whole_store``):
+  the manager stores a key only when the CPU tier lacks it, so without secondary tiers no
+  partial copy is left anywhere; with them the partial copy may still sit in a secondary
+  tier and be promoted back (found by ``kvguard fuzz --seed 1`` on 0.29.0: a re-store of a
+  partial key that ``store_coverage`` then dropped had erased the entry, and the tier's
+  partial copy was loaded);
+- at the bound (:data:`LEDGER_MAX` entries per scheduler, the oldest dropped first, counted
+  as ``ledger_full`` skips).
 
 Which slots a store writes is the copy engine's rule (``transfer_async`` in
 ``vllm/v1/kv_offload/cpu/gpu_worker.py``, 0.21.0-0.34.0; :mod:`kvguard.guards.store_coverage`):
@@ -164,9 +173,10 @@ class CopyLedger:
     a store could not be recorded (None while every store was), after which the admission
     check skips copy coverage on this scheduler."""
 
-    __slots__ = ("groups", "size", "dropped", "limit", "unreadable")
+    __slots__ = ("groups", "size", "dropped", "limit", "unreadable", "forget_on_whole_store")
 
-    def __init__(self, num_groups: int, limit: int = LEDGER_MAX) -> None:
+    def __init__(self, num_groups: int, limit: int = LEDGER_MAX, forget_on_whole_store: bool = True) -> None:
+        self.forget_on_whole_store = forget_on_whole_store
         self.groups: list[dict] = [{} for _ in range(num_groups)]
         self.size = 0
         self.dropped = 0
@@ -179,11 +189,12 @@ class CopyLedger:
 
     def record(self, group: int, keys: Sequence[Any], masks: Sequence[int], full: int) -> None:
         """Record the masks of one group's written chunks (``keys[r]`` got ``masks[r]``);
-        a whole chunk (``full``) drops the key's earlier entry, if any."""
+        a whole chunk (``full``) drops the key's earlier entry, if any, when
+        ``forget_on_whole_store`` (module docstring)."""
         ledger = self.groups[group]
         for key, mask in zip(keys, masks):
             if mask == full:
-                if ledger and ledger.pop(key, None) is not None:
+                if self.forget_on_whole_store and ledger and ledger.pop(key, None) is not None:
                     self.size -= 1
                 continue
             if key not in ledger:

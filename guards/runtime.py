@@ -570,12 +570,15 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
             geometries, block_ids = _store_inputs(spec, context)
         except Unsupported:  # a group kind or config kvguard cannot read: not checked
             return None
-        if not copy_coverage_disabled:
-            _record_copies(spec, context, geometries, block_ids)
         if store_coverage_disabled or _suppress_depth:
-            return None
-        problems = _store_problems(spec, context, geometries, block_ids)
-        _count_eval(names.CHECK_STORE_COVERAGE)
+            problems: list[str] = []
+        else:
+            problems = _store_problems(spec, context, geometries, block_ids)
+            _count_eval(names.CHECK_STORE_COVERAGE)
+        # the ledger records a store that goes ahead only: a dropped store writes nothing,
+        # and recording it would forget an earlier partial copy of the same key
+        if not copy_coverage_disabled and (not problems or _policy == names.POLICY_OBSERVE):
+            _record_copies(spec, context, geometries, block_ids)
         if not problems:
             return None
         if _policy == names.POLICY_GUARD:
@@ -632,7 +635,12 @@ def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ..
     group_states = req_status.group_states
     ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
     if ledger is None:
-        ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(len(group_states))
+        # with vLLM's tiering a key's partial copy may live on in a secondary tier (cascaded,
+        # promoted back later), so a whole re-store into the CPU tier must not forget it
+        manager = getattr(cs, "manager", None)
+        tiers = getattr(manager, "secondary_tiers", None)
+        ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(
+            len(group_states), forget_on_whole_store=not tiers)
     if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
         ledger.unreadable = "the store builder has no keys_to_store collection"
         return
