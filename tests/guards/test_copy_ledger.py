@@ -130,3 +130,11 @@ def test_the_fast_path_records_what_the_slow_path_would() -> None:
     assert ledger.groups[0] == {} and ledger.size == 0
     copy_ledger.record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
     assert ledger.groups[0] == {"k0": 0b1100}
+
+
+def test_with_secondary_tiers_a_whole_re_store_forgets_nothing() -> None:
+    # the partial copy may live on in a secondary tier and be promoted back (0.29.0, seed 1)
+    ledger = CopyLedger(1, forget_on_whole_store=False)
+    ledger.record(0, ["k"], [0b10], 0b11)
+    ledger.record(0, ["k"], [0b11], 0b11)
+    assert ledger.groups[0] == {"k": 0b10} and ledger.size == 1

@@ -227,7 +227,12 @@ def test_guard_counts(trace: str, expected: dict) -> None:
     assert fit["evaluated"] == 0 and fit["violations"] == 0 and fit["recomputed_tokens"] == 0
     progress = out["checks"]["promotion_progress"]
     assert progress["evaluated"] == 0 and progress["violations"] == 0
-    admission_checks = (names.CHECK_LOAD_COVERAGE, names.CHECK_PROMOTION_FIT, names.CHECK_PROMOTION_PROGRESS)
+    # copy coverage: nothing partly written is loaded on the seed traces (a hit reduced there
+    # would be a false alarm); its evaluations are counted, so it is an int
+    copies = out["checks"]["copy_coverage"]
+    assert isinstance(copies["evaluated"], int) and copies["violations"] == 0 and copies["recomputed_tokens"] == 0
+    admission_checks = (names.CHECK_LOAD_COVERAGE, names.CHECK_PROMOTION_FIT, names.CHECK_PROMOTION_PROGRESS,
+                        names.CHECK_COPY_COVERAGE)
     assert {name: c["evaluated"] for name, c in out["checks"].items() if c["evaluated"] is None} == {
         name: None
         for name in names.CHECKS

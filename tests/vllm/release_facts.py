@@ -51,6 +51,10 @@ FACTS: dict[str, str] = {
         "stalled (true: request b waits in WAITING_FOR_REMOTE_KVS behind a head that cannot "
         "allocate, vLLM #45388) or every request finishes (false)"
     ),
+    "tiered_partial_restore_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-tiered-partial-restore-029.jsonl`: "
+        "wrong_kv_blocks (null where the release has no vLLM tiering: the trace cannot be expressed)"
+    ),
     "stale_zeroing_026_wrong_kv_blocks": (
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "
         "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"

@@ -35,6 +35,8 @@ TRACES = Path(__file__).parent / "traces"
 CLASS_TRACE = "wrong-kv-swa-partial-chunk.jsonl"
 #: the same class as the fuzzer found it on 0.33.0 (seed 2, shrunk): mixed layout, extra_retained_tokens 2
 FUZZ_TRACE = "wrong-kv-swa-partial-chunk-033.jsonl"
+#: a partial key promoted back from vLLM's tiering after a dropped re-store (0.29.0, seed 1)
+TIERED_TRACE = "wrong-kv-tiered-partial-restore-029.jsonl"
 STALE_TRACES = [("wrong-kv-stale-zeroing-026.jsonl", "stale_zeroing_026_wrong_kv_blocks"),
                 ("wrong-kv-stale-zeroing-029.jsonl", "stale_zeroing_029_wrong_kv_blocks")]
 
@@ -71,6 +73,29 @@ def test_the_class_as_the_fuzzer_found_it() -> None:
     assert guarded.ok and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
     assert guarded.finished == guarded.submitted == len(trace.requests)
     assert (guarded.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1) == bool(want)
+
+
+def test_a_partial_key_restored_from_a_secondary_tier_is_still_cut() -> None:
+    """``kvguard fuzz --seed 1`` on 0.29.0, guarded (3 Dec 2026; the trace as found, 20
+    requests, a single sliding-window group and vLLM's tiering with two example tiers): a
+    chunk stored partly (its first sub-block below the storing request's window) is cascaded
+    to a secondary tier and evicted from the CPU tier; a later request re-stores the same
+    key, but ``store_coverage`` drops that store (its copied run is off its chunk places); a
+    reader's hit promotes the tier's partial copy and loads it. The ledger used to forget
+    the key's partial entry at the dropped re-store (1 wrong block guarded, 2 unguarded). Now
+    only a store that goes ahead is recorded, and with tiering a whole re-store forgets
+    nothing (guards/copy_ledger.py)."""
+    trace = load_trace(str(TRACES / TIERED_TRACE))
+    want = fact("tiered_partial_restore_wrong_kv_blocks")
+    if want is None:
+        assert not _expressible(trace)
+        return
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.wrong_kv_blocks == want
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    if plain.engine_survived:  # 0.26.0 dies in vLLM's tiering (KeyError in prepare_store) either way
+        assert guarded.ok and guarded.finished == guarded.submitted == len(trace.requests)
 
 
 def test_the_swa_partial_chunk_class_on_this_release() -> None:
