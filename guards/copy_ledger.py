@@ -69,6 +69,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from kvguard.guards.load_coverage import load_block_bounds
+
 __all__ = [
     "LEDGER_ATTR",
     "LEDGER_MAX",
@@ -141,13 +143,8 @@ def first_uncopied_block(tokens_per_block: int, blocks_per_chunk: int, kept_toke
     written whole). The loaded blocks are those of
     :func:`~kvguard.guards.load_coverage.load_chunk_bounds`; chunks past ``offload_keys``
     are the load coverage check's business (not looked at here)."""
-    tpb, bpc = tokens_per_block, blocks_per_chunk
-    stop = -(-num_cached_tokens // tpb)
-    start = num_computed_tokens // tpb
-    if kept_tokens is not None:
-        skipped = num_cached_tokens - kept_tokens
-        if skipped > 0 and skipped // tpb > start:
-            start = skipped // tpb
+    bpc = blocks_per_chunk
+    start, stop = load_block_bounds(tokens_per_block, kept_tokens, num_computed_tokens, num_cached_tokens)
     if start >= stop:
         return -1
     last = min(-(-stop // bpc), len(offload_keys))

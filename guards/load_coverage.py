@@ -107,6 +107,7 @@ class Unsupported(Exception):
 __all__ = [
     "GroupGeometry",
     "Unsupported",
+    "load_block_bounds",
     "load_chunk_bounds",
     "load_chunks",
     "load_set",
@@ -186,15 +187,26 @@ def load_chunk_bounds(
     manager); the load reads its chunk up to ``cdiv(num_cached_tokens, tokens_per_block *
     blocks_per_chunk)``. No validation.
     """
-    num_gpu_blocks = -(-num_cached_tokens // tokens_per_block)
+    start, num_gpu_blocks = load_block_bounds(tokens_per_block, kept_tokens, num_computed_tokens, num_cached_tokens)
+    if start >= num_gpu_blocks:
+        return (0, 0)
+    return (start // blocks_per_chunk, -(-num_cached_tokens // (tokens_per_block * blocks_per_chunk)))
+
+
+def load_block_bounds(tokens_per_block: int, kept_tokens: int | None, num_computed_tokens: int,
+                      num_cached_tokens: int) -> tuple[int, int]:
+    """``(start, stop)``: the logical GPU blocks one group's load writes, ``[start, stop)``
+    (``start >= stop``: none). ``stop = cdiv(num_cached_tokens, tokens_per_block)``;
+    ``start = max(num_computed_tokens // tokens_per_block, skipped // tokens_per_block)``
+    with ``skipped = num_cached_tokens - kept_tokens`` when positive (module docstring).
+    Tokens in, blocks out; no validation."""
+    stop = -(-num_cached_tokens // tokens_per_block)
     start = num_computed_tokens // tokens_per_block
     if kept_tokens is not None:
         skipped = num_cached_tokens - kept_tokens
         if skipped > 0 and skipped // tokens_per_block > start:
             start = skipped // tokens_per_block
-    if start >= num_gpu_blocks:
-        return (0, 0)
-    return (start // blocks_per_chunk, -(-num_cached_tokens // (tokens_per_block * blocks_per_chunk)))
+    return start, stop
 
 
 def load_chunks(group: GroupGeometry, num_computed_tokens: int, num_cached_tokens: int) -> range:

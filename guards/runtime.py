@@ -624,6 +624,18 @@ def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], 
     return geometries, block_ids
 
 
+def _spec_groups(spec: Any, block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
+    """``(group, block_indices[group], that group's block ids)`` of each KV cache group with
+    blocks in the spec (``GPULoadStoreSpec``: the ids of group ``g`` follow those of the
+    groups before it, ``group_sizes[g]`` of them)."""
+    offset = 0
+    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
+        size = int(size)
+        if size:
+            yield g, int(first), block_ids[offset : offset + size]
+        offset += size
+
+
 def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> None:
     """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.copy_ledger`),
     for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
@@ -644,16 +656,10 @@ def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ..
     if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
         ledger.unreadable = "the store builder has no keys_to_store collection"
         return
-    offset = 0
-    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
-        size = int(size)
-        copied = block_ids[offset : offset + size]
-        offset += size
-        if not size:
-            continue
+    for g, first, copied in _spec_groups(spec, block_ids):
         state = group_states[g]
         copy_ledger.record_group_store(
-            ledger, g, state.block_ids, copied, int(first), geometries[g].blocks_per_chunk,
+            ledger, g, state.block_ids, copied, first, geometries[g].blocks_per_chunk,
             state.offload_keys, keys_to_store,
         )
 
@@ -664,18 +670,12 @@ def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, .
     req_status = context["req_status"]
     num_tokens = int(req_status.req.num_tokens)
     problems: list[str] = []
-    offset = 0
-    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
-        size = int(size)
-        copied = block_ids[offset : offset + size]
-        offset += size
-        if not size:
-            continue
+    for g, first, copied in _spec_groups(spec, block_ids):
         geo = geometries[g]
         found = group_store_problems(GroupStore(
             table=req_status.group_states[g].block_ids,
             copied=copied,
-            first_index=int(first),
+            first_index=first,
             tokens_per_block=geo.tokens_per_block,
             blocks_per_chunk=geo.blocks_per_chunk,
             kept_tokens=geo.kept_tokens,

@@ -62,3 +62,16 @@ def offload_status(cs: Any, request: Any) -> Any:
     status = cs._req_status[request.request_id]
     status.update_offload_keys()
     return status
+
+
+def expressible(trace: Any) -> bool:
+    """Whether the installed release can build the engine ``trace``'s geometry asks for (the
+    harness's own probes raise ``RuntimeError`` for one it cannot express)."""
+    from kvguard.guards.replay import harness
+
+    try:
+        engine = harness.build_engine(trace.geometry, trace.worker)
+    except RuntimeError:
+        return False
+    del engine
+    return True

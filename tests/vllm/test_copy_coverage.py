@@ -23,6 +23,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+from guardtools_vllm import expressible
 from release_facts import fact
 
 from kvguard.guards import events, names
@@ -48,15 +49,6 @@ def _fresh_guard():
     harness.uninstall_guard()
 
 
-def _expressible(trace) -> bool:
-    try:
-        engine = harness.build_engine(trace.geometry, trace.worker)
-    except RuntimeError:  # the release cannot express the geometry (the harness's own probes)
-        return False
-    del engine
-    return True
-
-
 def test_the_class_as_the_fuzzer_found_it() -> None:
     """The fuzz finding (0.33.0, seed 2): a 122-token shared prefix's GPU hit leaves the
     window group's first blocks null; the sharer publishes chunk 0 with them; the next turn
@@ -65,7 +57,7 @@ def test_the_class_as_the_fuzzer_found_it() -> None:
     trace = load_trace(str(TRACES / FUZZ_TRACE))
     want = fact("swa_partial_chunk_033_wrong_kv_blocks")
     if want is None:
-        assert not _expressible(trace)
+        assert not expressible(trace)
         return
     plain = harness.run_replay(trace, guard=False)
     assert plain.engine_survived and not plain.stalled and plain.wrong_kv_blocks == want
@@ -88,7 +80,7 @@ def test_a_partial_key_restored_from_a_secondary_tier_is_still_cut() -> None:
     trace = load_trace(str(TRACES / TIERED_TRACE))
     want = fact("tiered_partial_restore_wrong_kv_blocks")
     if want is None:
-        assert not _expressible(trace)
+        assert not expressible(trace)
         return
     plain = harness.run_replay(trace, guard=False)
     assert plain.wrong_kv_blocks == want

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from guardtools_vllm import expressible
 from release_facts import fact
 
 from kvguard.guards import events, names
@@ -35,21 +36,12 @@ CASES = [("wrong-kv-stale-zeroing-026.jsonl", "stale_zeroing_026_wrong_kv_blocks
          ("wrong-kv-stale-zeroing-029.jsonl", "stale_zeroing_029_wrong_kv_blocks")]
 
 
-def _expressible(trace) -> bool:
-    try:
-        engine = harness.build_engine(trace.geometry, trace.worker)
-    except RuntimeError:  # the release cannot express the geometry (the harness's own probes)
-        return False
-    del engine
-    return True
-
-
 @pytest.mark.parametrize(("name", "fact_name"), CASES, ids=[c[0] for c in CASES])
 def test_the_class_on_this_release(name: str, fact_name: str) -> None:
     trace = load_trace(str(TRACES / name))
     want = fact(fact_name)
     if want is None:
-        assert not _expressible(trace)
+        assert not expressible(trace)
         return
     plain = harness.run_replay(trace, guard=False)
     assert plain.engine_survived and not plain.stalled
