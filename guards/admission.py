@@ -209,7 +209,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.guards import copy_ledger, names, runtime
+from kvguard.guards import copy_ledger, names, runtime, wait_bound
 from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, GLOBAL_CHECK_STORE, keyword_argument_names
 from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
 from kvguard.guards.load_coverage import (  # Unsupported: defined there, raised here too
@@ -649,6 +649,34 @@ def _span_loadable(get: Callable[[Any], Any], span: Any) -> bool:
 
 # -- the check -------------------------------------------------------------------------
 def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
+    """Check vLLM's lookup ``answer`` for ``request`` (:func:`_admit`), then give the result
+    to the wait bound (:mod:`kvguard.guards.wait_bound`): a deferred answer (``None``) is an
+    observation of the request's wait (which, stalled, may end it: a reduced answer under
+    ``guard``), a number ends a deferral, an async load is watched until it is promoted.
+    Raises ``AssertionError`` only under ``strict``.
+    """
+    out = _admit(cs, request, num_computed_tokens, answer, seen)
+    if not wait_bound._enabled:
+        return out
+    try:
+        hit = out[0]
+        if hit is None:
+            return _wait_deferred(cs, request, num_computed_tokens, out)
+        if TABLE_ATTR in cs.__dict__:
+            wait_bound.answered(cs, request.request_id)
+        if hit and out[1]:
+            wait_bound.admitted_async(cs, request)
+    except AssertionError:
+        raise  # strict
+    except Exception as error:  # guard code never takes the engine down
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+    return out
+
+
+TABLE_ATTR = wait_bound.TABLE_ATTR
+
+
+def _admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
     """Check vLLM's lookup ``answer`` for ``request``; return it, a reduced one, or raise (strict).
 
     ``cs``: the ``OffloadingConnectorScheduler``; ``num_computed_tokens``: the local GPU
@@ -1074,8 +1102,7 @@ def _check_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any
         name = getattr(result, "name", None)
         return name in _FOUND or (name == "RETRY" and get(group_keys[chunk]) is not None)
 
-    end = min(len(state.offload_keys) * g.tokens_per_chunk for state, g in zip(group_states, plan.groups))
-    end = min(end, int(request.num_tokens) - 1)
+    end = _awaited_end(plan, group_states, request)
     if end <= num_computed_tokens:
         return answer
     target = longest_loadable_hit(plan.groups, num_computed_tokens, end, found)
@@ -1145,7 +1172,15 @@ def _act_deferred(cs: Any, check: str, prefix: str, plan: _Plan, req_status: Any
         _count(check, prefix, request, names.ACTION_RAISED, policy, 0, answer,
                {**fields, names.KEY_ADMITTED_HIT_TOKENS: None})
         raise _StrictFailure(message)
-    group_states = req_status.group_states
+    reduced = _ready_hit(cs, plan, req_status.group_states, get, num_computed_tokens, target)
+    _ready_memory(cs).pop(request.request_id, None)  # the deferral ends with this answer
+    return _count(check, prefix, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
+                  {**fields, names.KEY_ADMITTED_HIT_TOKENS: reduced})
+
+
+def _ready_pred(cs: Any, group_states: Any, get: Any) -> Callable[[int, int], bool]:
+    """``ready(group, chunk)``: the chunk is in the CPU tier and ready, and no other load
+    reads it (vLLM's own lookup delays a hit on a chunk another load is reading)."""
     being_loaded = getattr(cs, "_chunks_being_loaded", None)
     if being_loaded is None:
         being_loaded = getattr(cs, "_blocks_being_loaded", None)
@@ -1157,10 +1192,18 @@ def _act_deferred(cs: Any, check: str, prefix: str, plan: _Plan, req_status: Any
             return False
         key = group_keys[chunk]
         if key in being_loaded:
-            return False  # vLLM's lookup delays a hit on a chunk another load is reading
+            return False
         entry = get(key)
         return entry is not None and bool(entry.is_ready)
 
+    return ready
+
+
+def _ready_hit(cs: Any, plan: _Plan, group_states: Any, get: Any, num_computed_tokens: int, target: int) -> int:
+    """The longest hit (tokens beyond ``num_computed_tokens``, at most ``target``) whose
+    load set is ready in the CPU tier now (:func:`_ready_pred`) and whose copies are
+    covered (:mod:`kvguard.guards.copy_ledger`); 0 when none is."""
+    ready = _ready_pred(cs, group_states, get)
     copies = _copies_ok(plan, cs.__dict__.get(_LEDGER_ATTR), group_states, num_computed_tokens)
 
     def ok(end: int) -> bool:
@@ -1168,10 +1211,45 @@ def _act_deferred(cs: Any, check: str, prefix: str, plan: _Plan, req_status: Any
             ready(g, c) for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, end)) for c in chunks
         ) and copies(end)
 
-    reduced = longest_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ok)
-    _ready_memory(cs).pop(request.request_id, None)  # the deferral ends with this answer
-    return _count(check, prefix, request, names.ACTION_HIT_REDUCED, policy, target - reduced, (reduced, reduced > 0),
-                  {**fields, names.KEY_ADMITTED_HIT_TOKENS: reduced})
+    return longest_hit(plan.groups, num_computed_tokens, num_computed_tokens + target, ok)
+
+
+def _awaited_end(plan: _Plan, group_states: Any, request: Any) -> int:
+    """The end (tokens) of the longest hit the request's offload keys allow:
+    ``min(len(offload_keys) * tokens_per_chunk over the groups, num_tokens - 1)``."""
+    end = min(len(state.offload_keys) * g.tokens_per_chunk for state, g in zip(group_states, plan.groups))
+    return min(end, int(request.num_tokens) - 1)
+
+
+def _wait_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
+    """The wait bound of a deferred answer (:mod:`kvguard.guards.wait_bound`): observe the
+    deferral with its progress measure (ready chunks of the awaited load set; 0 when the
+    request's own transfers are in flight or the plan cannot be read) and, when the wait
+    is stalled, act (guard: the longest ready hit, or the request failed alone)."""
+    req_status = cs._req_status[request.request_id]
+    plan = cs.__dict__.get(_PLAN_ATTR) or _get_plan(cs)
+    readable = plan.__class__ is _Plan and not getattr(req_status, "transfer_jobs", None)
+    ready_chunks = 0
+    end = 0
+    if readable:
+        group_states = req_status.group_states
+        get = plan.getter()
+        end = _awaited_end(plan, group_states, request)
+        if end > num_computed_tokens:
+            ready = _ready_pred(cs, group_states, get)
+            ready_chunks = sum(
+                1 for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, end)) for c in chunks
+                if ready(g, c)
+            )
+    wait = wait_bound.observe_deferred(cs, request, ready_chunks)
+    if wait is None:
+        return answer
+    hit = 0
+    if readable and end > num_computed_tokens:
+        hit = _ready_hit(cs, plan, req_status.group_states, plan.getter(), num_computed_tokens,
+                         end - num_computed_tokens)
+    _ready_memory(cs).pop(request.request_id, None)
+    return wait_bound.act_deferred(cs, wait, hit, answer)
 
 
 def _ready_memory(cs: Any) -> dict[str, frozenset]:
@@ -1289,6 +1367,10 @@ def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -
             if recorder.__class__ is _LookupRecorder:
                 seen = recorder.seen
         if seen is None and not answer[0]:  # None (deferred) or 0: no hit to check
+            if answer[0] is None and wait_bound._enabled:
+                return admit(cs, request, num_computed_tokens, answer, None)  # the wait bound
+            if TABLE_ATTR in cs.__dict__:
+                wait_bound.answered(cs, request.request_id)
             return answer
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
@@ -1343,6 +1425,11 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         answer, seen = record_lookup(instance, wrapped, *args, **kwargs)
     try:
         if seen is None and not answer[0]:  # None (deferred) or 0: no hit to check
+            if (answer[0] is None and wait_bound._enabled) or TABLE_ATTR in instance.__dict__:
+                request, num_computed_tokens = _bind(wrapped, args, kwargs)
+                if answer[0] is None:
+                    return admit(instance, request, num_computed_tokens, answer, None)  # the wait bound
+                wait_bound.answered(instance, request.request_id)
             return answer
         request, num_computed_tokens = _bind(wrapped, args, kwargs)
     except Exception as error:
@@ -1401,6 +1488,7 @@ def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     result = wrapped(*args, **kwargs)
     try:
         attach(instance)
+        wait_bound.attach(instance)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
     return result
@@ -1415,6 +1503,7 @@ def detach_all() -> None:
         if getattr(attr, "_self_wrapper", None) in (admission_wrapper, recording_wrapper):
             del cs.__dict__["get_num_new_matched_tokens"]
     _attached.clear()
+    wait_bound.detach_all()
     unwatch_removals()
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 from kvguard.guards import names
 
-__all__ = ["register_failure", "method_returned", "failed_requests", "reset"]
+__all__ = ["register_failure", "fail_waiting", "find_scheduler", "method_returned", "failed_requests", "reset"]
 
 #: frames walked up from the failing method to find the Scheduler (schedule() is 2 up)
 _MAX_HOPS = 8
@@ -56,6 +56,10 @@ _MAX_HOPS = 8
 _lock = threading.Lock()
 #: id(scheduler) -> {request_id: error} waiting to be finished
 _pending: dict[int, dict[str, str]] = {}
+#: request ids failed by :func:`fail_waiting`: their load may still be in flight, so
+#: their status is left as it is (vLLM's ``finish_requests`` then delays freeing their
+#: blocks until the transfer reports back, as for a client's abort)
+_keep_status: set[str] = set()
 #: every request failed in this process (request id -> error), for reports
 _failed: dict[str, str] = {}
 
@@ -70,6 +74,41 @@ def reset() -> None:
     with _lock:
         _pending.clear()
         _failed.clear()
+        _keep_status.clear()
+
+
+def find_scheduler(frame: FrameType | None, request_id: str) -> Any:
+    """The vLLM ``Scheduler`` among ``frame`` and its callers (at most 8 frames up): the
+    first ``self`` with ``finish_requests``, ``update_from_output`` and a ``requests``
+    dict holding ``request_id``; None when there is none."""
+    return _find_scheduler(frame, request_id)
+
+
+def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, error: str) -> bool:
+    """Fail a request that is still waiting (never scheduled for compute since it began to
+    wait) alone: at the next ``update_from_output`` of ``scheduler`` it is finished with
+    ``FINISHED_ERROR`` through vLLM's own ``finish_requests`` (its status untouched, so a
+    ``WAITING_FOR_REMOTE_KVS`` request whose load is still in flight keeps its blocks until
+    the worker reports the transfer, exactly as when a client aborts it) and its client
+    gets an output with the ``error`` finish reason. Used by the wait bound
+    (:mod:`kvguard.guards.wait_bound`). Returns False (nothing done) when either scheduler
+    is None; never raises.
+    """
+    from kvguard.guards import runtime
+
+    try:
+        if scheduler is None or connector_scheduler is None:
+            return False
+        _wrap_update_from_output(scheduler)
+        _wrap_build_connector_meta(connector_scheduler, scheduler)
+        with _lock:
+            _pending.setdefault(id(scheduler), {})[request_id] = error
+            _failed[request_id] = error
+            _keep_status.add(request_id)
+        return True
+    except Exception as exc:
+        runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
+        return False
 
 
 def _find_scheduler(frame: FrameType | None, request_id: str) -> Any:
@@ -134,6 +173,14 @@ def _wrap_build_connector_meta(cs: Any, scheduler: Any) -> None:
         pending = _pending_for(scheduler)
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         for rid, error in pending.items():
+            if rid in scheduled and rid in _keep_status:
+                # a wait the wait bound ended has ended by itself first (async scheduling:
+                # this schedule() ran before the failing update_from_output): let it run
+                with _lock:
+                    _pending.get(id(scheduler), {}).pop(rid, None)
+                    _failed.pop(rid, None)
+                    _keep_status.discard(rid)
+                continue
             if rid in scheduled:
                 # vLLM would compute this request on KV that was never loaded: refuse.
                 raise AssertionError(f"{error}; scheduled for compute before it was failed")
@@ -178,7 +225,9 @@ def _finish_pending(scheduler: Any) -> list[Any]:
             request = scheduler.requests.get(rid)
             if request is None or request.is_finished():
                 continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in recving:
+            if rid in _keep_status:
+                _keep_status.discard(rid)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in recving:
                 # no load was issued for it (the method stopped before prepare_load), so
                 # no transfer can still write its blocks: free them now, not "on recv"
                 request.status = RequestStatus.WAITING

@@ -215,6 +215,13 @@ def hit_reduced(**fields: Any) -> None:
     _emit("warning", names.EVENT_HIT_REDUCED, fields)
 
 
+def wait_bound_exceeded(**fields: Any) -> None:
+    """A request's offload wait made no progress within the wait bound
+    (:mod:`kvguard.guards.wait_bound`): wait, action, policy, request_id,
+    stale_observations, stale_seconds, ready_hit_tokens (a cut lookup)."""
+    _emit("warning", names.EVENT_WAIT_BOUND_EXCEEDED, fields)
+
+
 def vllm_unmeasured(**fields: Any) -> None:
     """The installed vLLM is not a release kvguard was measured on (issue 20 item 7):
     vllm_version, vllm_support, relation (``newer`` / ``older`` / ``unlisted``),

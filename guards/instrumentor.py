@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvguard.guards import admission, events, names, runtime
+from kvguard.guards import admission, events, names, runtime, wait_bound
 from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.rewrite import (
     GLOBAL_ADMIT_RETURN,
@@ -310,6 +310,7 @@ class OffloadGuardInstrumentor:
                     module.__dict__.pop(name, None)
             runtime.STORE_BUILDER_CODES.clear()
             admission.unconfigure()
+            wait_bound.configure()  # defaults, no sinks
             for site_id, status in state.status.items():
                 if status == "installed":
                     self._gauge(state, site_id, False)
@@ -357,6 +358,10 @@ class OffloadGuardInstrumentor:
         admission.configure(
             metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID),
             promotion_progress=not settings.site_disabled(PROMOTION_PROGRESS_SITE_ID),
+        )
+        wait_bound.configure(
+            steps=settings.wait_bound_steps, seconds=settings.wait_bound_seconds,
+            enabled=not settings.site_disabled(names.WAIT_BOUND_SITE_ID), metrics=metrics, events=events,
         )
         state.finder = GuardFinder(state.scope, self._on_module_loaded, self._on_hook_error, SCOPE_PREFIXES)
         install_finder(state.finder)

@@ -33,6 +33,7 @@ metric                                                     type       labels
 ``kvguard_engine_fatal_total``                             counter    ``exception``
 ``kvguard_recomputed_tokens_total``                        counter    ``check``
 ``kvguard_check_skipped_total``                            counter    ``check``, ``reason``
+``kvguard_wait_bound_exceeded_total``                      counter    ``wait``, ``action``
 =========================================================  =========  ==========================
 """
 
@@ -80,6 +81,9 @@ _HELP = {
     names.METRIC_CHECK_SKIPPED: (
         "Lookups a check did not evaluate because kvguard cannot model or read what they involve, "
         "by check and reason; vLLM's answer passed through."
+    ),
+    names.METRIC_WAIT_BOUND_EXCEEDED: (
+        "Requests whose offload wait made no progress within the wait bound, by wait kind and the action taken."
     ),
 }
 
@@ -195,6 +199,7 @@ class _RegistryBackend:
             n.METRIC_ENGINE_FATAL: counter(n.METRIC_ENGINE_FATAL, (n.LABEL_EXCEPTION,)),
             n.METRIC_RECOMPUTED_TOKENS: counter(n.METRIC_RECOMPUTED_TOKENS, (n.LABEL_CHECK,)),
             n.METRIC_CHECK_SKIPPED: counter(n.METRIC_CHECK_SKIPPED, (n.LABEL_CHECK, n.LABEL_REASON)),
+            n.METRIC_WAIT_BOUND_EXCEEDED: counter(n.METRIC_WAIT_BOUND_EXCEEDED, (n.LABEL_WAIT, n.LABEL_ACTION)),
             n.METRIC_SITE_INSTALLED: Gauge(
                 n.METRIC_SITE_INSTALLED, _HELP[n.METRIC_SITE_INSTALLED], (n.LABEL_SITE,),
                 registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
@@ -262,6 +267,9 @@ class GuardMetrics:
         for check in n.SKIPPABLE_CHECKS:
             for reason in n.SKIP_REASONS:
                 self._b.counter(n.METRIC_CHECK_SKIPPED, {n.LABEL_CHECK: check, n.LABEL_REASON: reason}, 0)
+        for wait in n.WAITS:
+            for action in n.ACTIONS:
+                self._b.counter(n.METRIC_WAIT_BOUND_EXCEEDED, {n.LABEL_WAIT: wait, n.LABEL_ACTION: action}, 0)
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
     def evaluations(self, check: str, amount: int) -> None:
@@ -304,6 +312,13 @@ class GuardMetrics:
         _validate(check, names.SKIPPABLE_CHECKS, "check")
         _validate(reason, names.SKIP_REASONS, "reason")
         self._b.counter(names.METRIC_CHECK_SKIPPED, {names.LABEL_CHECK: check, names.LABEL_REASON: reason}, 1)
+
+    def wait_bound_exceeded(self, wait: str, action: str) -> None:
+        """Count one request whose ``wait`` (:data:`~kvguard.guards.names.WAITS`) exceeded the
+        wait bound, and the ``action`` taken; ValueError for a label outside those sets."""
+        _validate(wait, names.WAITS, "wait")
+        _validate(action, names.ACTIONS, "action")
+        self._b.counter(names.METRIC_WAIT_BOUND_EXCEEDED, {names.LABEL_WAIT: wait, names.LABEL_ACTION: action}, 1)
 
     def swa_ratio(self, ratio: float) -> None:
         """Observe pending SWA GPU blocks / exact bound (dimensionless)."""

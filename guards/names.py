@@ -360,3 +360,38 @@ SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CON
 SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_COPY_COVERAGE)
 EVENT_CHECK_SKIPPED = "check_skipped"
 KEY_DETAIL = "detail"
+
+# --- wait bound: every wait the offload path creates ends (kvguard.guards.wait_bound) ---
+#: A request the offload path keeps waiting (a deferred lookup, an async load, a load
+#: reported but never promoted) must make progress within ``KVGUARD_WAIT_BOUND_STEPS``
+#: observations and ``KVGUARD_WAIT_BOUND_SECONDS``; else ``guard`` ends the wait (the hit
+#: cut to what is ready now, or that request failed alone).
+CHECK_WAIT_BOUND = "wait_bound"
+CHECKS = CHECKS + (CHECK_WAIT_BOUND,)
+#: ``KVGUARD_DISABLED_SITES`` entry that switches the wait bound off.
+WAIT_BOUND_SITE_ID = "scheduler:wait_bound"
+#: Waits a bound was exceeded for, by ``wait`` kind and ``action`` (``continued`` under
+#: observe, ``hit_reduced`` / ``request_failed`` under guard, ``raised`` under strict).
+METRIC_WAIT_BOUND_EXCEEDED = "kvguard_wait_bound_exceeded_total"
+LABEL_WAIT = "wait"
+#: The connector's lookup answered ``None`` ("ask again later") and the request has no
+#: transfer of its own in flight: it waits for chunks to become ready (a store being
+#: written, a promotion from a secondary tier, another request's load).
+WAIT_LOOKUP_DEFERRED = "lookup_deferred"
+#: The lookup answered ``None`` because the request's own transfer jobs are in flight
+#: (stores of a preempted request): it waits for the worker to report them.
+WAIT_TRANSFERS_IN_FLIGHT = "transfers_in_flight"
+#: ``WAITING_FOR_REMOTE_KVS``: the request's async load is in flight on the worker.
+WAIT_LOAD_IN_FLIGHT = "load_in_flight"
+#: ``WAITING_FOR_REMOTE_KVS``, its load reported done (``finished_recving_kv_req_ids``),
+#: while the engine schedules nothing: vLLM's waiting scan never reaches it (vllm#45388).
+WAIT_LOAD_NOT_PROMOTED = "load_not_promoted"
+WAITS: tuple[str, ...] = (WAIT_LOOKUP_DEFERRED, WAIT_TRANSFERS_IN_FLIGHT, WAIT_LOAD_IN_FLIGHT,
+                          WAIT_LOAD_NOT_PROMOTED)
+EVENT_WAIT_BOUND_EXCEEDED = "wait_bound_exceeded"
+KEY_WAIT = "wait"
+KEY_STALE_OBSERVATIONS = "stale_observations"
+KEY_STALE_SECONDS = "stale_seconds"
+KEY_READY_HIT_TOKENS = "ready_hit_tokens"
+DEFAULT_WAIT_BOUND_STEPS = 32
+DEFAULT_WAIT_BOUND_SECONDS = 30.0

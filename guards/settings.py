@@ -1,13 +1,21 @@
 """GuardSettings: the plugin's settings, read once from ``KVGUARD_*`` environment variables.
 
-=========================  =====================  ==========================================
-variable                   field                  meaning
-=========================  =====================  ==========================================
-``KVGUARD_POLICY``         ``policy``             ``observe`` | ``guard`` (default) | ``strict``
-``KVGUARD_DISABLE``        ``disable``            ``1``: the plugin installs nothing
-``KVGUARD_DISABLED_SITES`` ``disabled_sites``     comma list of site ids; ``*`` disables all
-``KVGUARD_STATE_DIR``      ``state_dir``          shared dir for multiprocess metrics + fatal records
-=========================  =====================  ==========================================
+================================  =======================  =====================================
+variable                          field                    meaning
+================================  =======================  =====================================
+``KVGUARD_POLICY``                ``policy``               ``observe`` | ``guard`` (default) |
+                                                           ``strict``
+``KVGUARD_DISABLE``               ``disable``              ``1``: the plugin installs nothing
+``KVGUARD_DISABLED_SITES``        ``disabled_sites``       comma list of site ids; ``*`` all
+``KVGUARD_STATE_DIR``             ``state_dir``            shared dir for multiprocess metrics
+                                                           and fatal records
+``KVGUARD_WAIT_BOUND_STEPS``      ``wait_bound_steps``     observations of a wait without
+                                                           progress before it is ended (int
+                                                           >= 1, default 32)
+``KVGUARD_WAIT_BOUND_SECONDS``    ``wait_bound_seconds``   and seconds without progress (float
+                                                           >= 0, default 30); both must pass
+                                                           (:mod:`kvguard.guards.wait_bound`)
+================================  =======================  =====================================
 
 A bad value raises ``pydantic.ValidationError`` from :meth:`GuardSettings.from_env`;
 :func:`kvguard.guards.plugin.register` turns that into a logged, disabled plugin (never a crash).
@@ -18,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvguard.guards import names
@@ -42,6 +50,8 @@ class GuardSettings(BaseSettings):
     disable: bool = False
     disabled_sites: Annotated[frozenset[str], NoDecode] = frozenset()
     state_dir: Path | None = None
+    wait_bound_steps: int = Field(default=names.DEFAULT_WAIT_BOUND_STEPS, ge=1)
+    wait_bound_seconds: float = Field(default=names.DEFAULT_WAIT_BOUND_SECONDS, ge=0.0)
 
     @field_validator("policy", mode="before")
     @classmethod

@@ -170,7 +170,12 @@ def install_guard(policy: str) -> bool:
     inst = OffloadGuardInstrumentor()
     if inst.is_installed and runtime.policy() != policy:
         inst.uninstall()  # a guard installed earlier in this process keeps its policy otherwise
-    installed = plugin.register(GuardSettings(policy=policy))
+    settings = GuardSettings(policy=policy)
+    installed = plugin.register(settings)
+    from kvguard.guards import wait_bound
+
+    # simulated time: the wait bound counts steps only (guards/wait_bound.py)
+    wait_bound.set_bound(steps=settings.wait_bound_steps, seconds=0.0)
     return bool(installed) or OffloadGuardInstrumentor().is_installed
 
 
@@ -609,10 +614,11 @@ def run_replay(
     )
     previous_disable = os.environ.get("KVGUARD_DISABLE")
     if guard:
-        from kvguard.guards import admission, runtime
+        from kvguard.guards import admission, runtime, wait_bound
 
         runtime.reset()  # before install: install-stage guard errors belong to this replay
         admission.reset()
+        wait_bound.reset()
         result.guard_installed = install_guard(policy)
     else:
         # vLLM may load general plugins while the engine is built: keep kvguard off for
@@ -676,7 +682,7 @@ def run_replay(
 def _guard_report(result: ReplayResult) -> None:
     """What the guard counted and installed during the replay (``checks``, ``guard_errors``,
     ``sites``, ``guard_installed``)."""
-    from kvguard.guards import admission, names, runtime
+    from kvguard.guards import admission, names, runtime, wait_bound
     from kvguard.guards.instrumentor import OffloadGuardInstrumentor
 
     result.checks = runtime.snapshot()
@@ -686,6 +692,7 @@ def _guard_report(result: ReplayResult) -> None:
         (names.CHECK_PROMOTION_FIT, admission.snapshot_promotion_fit()),
         (names.CHECK_PROMOTION_PROGRESS, admission.snapshot_promotion_progress()),
         (names.CHECK_COPY_COVERAGE, admission.snapshot_copy_coverage()),
+        (names.CHECK_WAIT_BOUND, wait_bound.snapshot()),
     ):
         result.checks[check] = {**result.checks.get(check, {}), **counts}
     result.guard_errors = runtime.guard_errors()

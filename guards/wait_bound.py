@@ -1,0 +1,446 @@
+"""The wait bound (check ``wait_bound``): every wait the offload path creates ends.
+
+A request that never finishes is a failure nobody sees: its client times out, its GPU
+blocks stay held, the engine looks healthy. The guard's other checks were each derived
+from one stall shape (``promotion_fit``, ``promotion_progress``); this one is the
+end-to-end invariant they serve: *a request the offload path keeps waiting makes
+progress within a bound*, whatever the mechanism.
+
+The waits, read off vLLM's code (the same on every full release, 0.21.0-0.34.0)
+-------------------------------------------------------------------------------
+
+The scheduler (``vllm/v1/core/sched/scheduler.py``) asks the connector about a waiting
+request in exactly two ways, and each can make it wait:
+
+1. ``get_num_new_matched_tokens`` answers ``None``: "the connector needs more time to
+   determine the number of matched tokens; the scheduler should query for this request
+   again later" (the method's documented contract). The request stays ``WAITING`` and
+   is asked again at the next step the scan reaches it. The offloading connector answers
+   ``None`` when the request's own transfer jobs are in flight (``req_status.transfer_jobs``:
+   the stores of a preempted request; wait ``transfers_in_flight``) and when its lookup
+   finds a chunk that is not ready yet (being stored, being promoted from a secondary
+   tier, being loaded by another request; wait ``lookup_deferred``).
+2. ``load_kv_async`` is True: the scheduler allocates the request's blocks, parks it in a
+   *blocked waiting status* that names KV (:func:`kv_wait_statuses`: the members of
+   ``RequestStatus`` whose name starts ``WAITING_FOR_`` and contains ``KV``; every full
+   release has one, ``WAITING_FOR_REMOTE_KVS``) and promotes it only when the worker
+   reports the load (``finished_recving``) *and* the waiting scan reaches it. Wait
+   ``load_in_flight`` until the report, ``load_not_promoted`` after it.
+
+Waits the scheduler side cannot end are left to vLLM: the worker's ``wait(jobs_to_flush)``
+(the engine itself blocks; nothing kvguard runs in the scheduler can help) and a
+finished request's blocks held for its last stores (the client already has its answer).
+
+Progress, and the bound
+-----------------------
+
+Each wait has a progress measure that only a real step forward raises:
+
+- ``lookup_deferred``: the number of chunks of the awaited load set (the load set of the
+  longest hit the request's offload keys allow) that are ready in the CPU tier now,
+  high-water mark over the wait (it is bounded, so it cannot rise forever);
+- ``transfers_in_flight``: the set of the request's own transfer jobs changes (one
+  completed);
+- ``load_in_flight``: the load is reported (the wait becomes ``load_not_promoted``);
+- ``load_not_promoted``: the engine schedules any token (the scan legitimately serves
+  other requests first; only a step in which the engine scheduled nothing while the
+  load sits reported counts: vLLM's waiting scan ``break``s at a head it cannot allocate,
+  vllm#45388, and when that head waits for blocks the reported request holds, nothing
+  ever changes).
+
+A wait is *stalled* when it was observed ``KVGUARD_WAIT_BOUND_STEPS`` times in a row
+without progress (observed = a deferred answer for the first two kinds, an engine step
+for the last two) **and** ``KVGUARD_WAIT_BOUND_SECONDS`` passed since its last progress.
+Both must pass: steps alone would fire on an idle engine that steps in microseconds,
+seconds alone would fire when the whole engine is slow. Why 32 and 30 s: a healthy wait
+waits for one transfer (a store, a promotion, a load), so it moves within one transfer's
+latency; the replay's worker model draws at most 6 steps (``kvguard fuzz``), a live CPU
+offload of a chunk takes milliseconds, and 30 s is past any client's patience for a
+first token on a hit, yet far below the minutes an operator's alert looks at.
+The replay runs on simulated time (steps) and sets the seconds to 0.
+
+What each policy does with a stalled wait
+-----------------------------------------
+
+============  ==========================================================================
+``observe``   counted once per wait (``kvguard_wait_bound_exceeded_total{wait, action=
+              "continued"}``, ``kvguard_invariant_violations_total{check="wait_bound"}``),
+              event ``wait_bound_exceeded``; vLLM's behaviour is unchanged.
+``guard``     the wait ends the cheapest safe way:
+
+              - ``lookup_deferred``: the lookup answers the longest hit whose load set
+                is ready in the CPU tier now (chunk aligned, a chunk another load reads
+                does not count, copy coverage holds), or 0: the rest is recomputed
+                (``action="hit_reduced"``). Safe for the same reasons as
+                ``promotion_fit``'s reduced answer (:mod:`kvguard.guards.admission`).
+              - the other three: the connector cannot release them (a load in flight
+                still writes the request's blocks; a reported load waits for vLLM's
+                scan), so that request fails alone (``action="request_failed"``):
+                vLLM's ``finish_requests(id, FINISHED_ERROR)`` at the next
+                ``update_from_output`` (:func:`kvguard.guards.degrade.fail_waiting`),
+                the same path as a client's abort (blocks of a load still in flight are
+                freed only when the worker reports it), and the client gets an output
+                with finish reason ``error``. Every other request goes on.
+``strict``    raises ``AssertionError`` naming the wait (``action="raised"``).
+============  ==========================================================================
+
+Where it runs: the deferred answers at admission (:mod:`kvguard.guards.admission` calls
+:func:`observe_deferred`), the async loads from the connector scheduler's
+``build_connector_meta`` (once per ``schedule()``, :func:`attach` puts an instance-level
+wrapper there; with nothing waiting it costs one dict read). Kill switch:
+``KVGUARD_DISABLED_SITES=scheduler:wait_bound``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvguard.guards import degrade, names, runtime
+
+__all__ = [
+    "Wait",
+    "WaitTable",
+    "attach",
+    "configure",
+    "detach_all",
+    "kv_wait_statuses",
+    "observe_deferred",
+    "answered",
+    "admitted_async",
+    "snapshot",
+    "reset",
+]
+
+#: attribute holding each connector scheduler's :class:`WaitTable`
+TABLE_ATTR = "_kvguard_waits"
+
+_lock = threading.Lock()
+_enabled = True
+_steps = names.DEFAULT_WAIT_BOUND_STEPS
+_seconds = names.DEFAULT_WAIT_BOUND_SECONDS
+_metrics: Any = None
+_events: Any = None
+#: in-process counts: "evaluated" (observations), "<wait>:<action>"
+_stats: dict[str, int] = {}
+
+
+def configure(steps: int = names.DEFAULT_WAIT_BOUND_STEPS, seconds: float = names.DEFAULT_WAIT_BOUND_SECONDS,
+              enabled: bool = True, metrics: Any = None, events: Any = None) -> None:
+    """Set the bound (``steps`` observations >= 1 and ``seconds`` >= 0 without progress)
+    and the sinks; ``enabled`` False turns the check off (kill switch)."""
+    global _steps, _seconds, _enabled, _metrics, _events
+    if int(steps) < 1 or float(seconds) < 0:
+        raise ValueError(f"wait bound needs steps >= 1 and seconds >= 0, got {steps}, {seconds}")
+    _steps, _seconds, _enabled = int(steps), float(seconds), bool(enabled)
+    _metrics, _events = metrics, events
+
+
+def set_bound(steps: int | None = None, seconds: float | None = None) -> None:
+    """Change the bound in force, keeping the sinks (the replay sets ``seconds=0``: its
+    time is simulated steps)."""
+    global _steps, _seconds
+    if steps is not None:
+        if int(steps) < 1:
+            raise ValueError(f"wait bound steps must be >= 1, got {steps}")
+        _steps = int(steps)
+    if seconds is not None:
+        if float(seconds) < 0:
+            raise ValueError(f"wait bound seconds must be >= 0, got {seconds}")
+        _seconds = float(seconds)
+
+
+def enabled() -> bool:
+    """True while the check runs (not switched off by ``KVGUARD_DISABLED_SITES``)."""
+    return _enabled
+
+
+def bound() -> tuple[int, float]:
+    """``(steps, seconds)`` of the bound in force."""
+    return _steps, _seconds
+
+
+def reset() -> None:
+    """Zero the in-process counts of :func:`snapshot`."""
+    with _lock:
+        _stats.clear()
+
+
+def snapshot() -> dict[str, int]:
+    """In-process counts: ``evaluated`` (observations of a waiting request) and
+    ``<wait>:<action>`` per stalled wait and action taken."""
+    with _lock:
+        return dict(_stats)
+
+
+def _bump(key: str) -> None:
+    with _lock:
+        _stats[key] = _stats.get(key, 0) + 1
+
+
+def kv_wait_statuses(status_enum: Any) -> frozenset[str]:
+    """Names of the members of vLLM's ``RequestStatus`` (``status_enum``, read off a
+    request's own ``status``, so nothing is imported) that park a request for its KV: a
+    name that starts ``WAITING_FOR_`` and contains ``KV`` (``WAITING_FOR_REMOTE_KVS`` on
+    0.21.0-0.34.0)."""
+    return frozenset(m.name for m in status_enum if m.name.startswith("WAITING_FOR_") and "KV" in m.name)
+
+
+@dataclass
+class Wait:
+    """One request's wait: its ``kind`` (:data:`kvguard.guards.names.WAITS`), the
+    ``request`` (vLLM ``Request``), the progress measure's high-water mark ``best``
+    (ready chunks of the awaited load set for ``lookup_deferred``, else 0), the request's transfer jobs ``jobs`` at the
+    last observation, ``stale`` (observations in a row without progress), ``since``
+    (``time.monotonic()`` of the last progress, seconds) and whether it was acted on."""
+
+    kind: str
+    request: Any
+    best: int = 0
+    jobs: frozenset = frozenset()
+    stale: int = 0
+    since: float = field(default_factory=time.monotonic)
+    acted: bool = False
+
+    def progress(self, now: float) -> None:
+        self.stale = 0
+        self.since = now
+        self.acted = False
+
+    def exceeded(self, now: float) -> bool:
+        return self.stale >= _steps and now - self.since >= _seconds
+
+
+@dataclass
+class WaitTable:
+    """The waits of one connector scheduler: ``waits`` (request id -> :class:`Wait`),
+    ``async_loads`` (request id -> ``Request`` admitted with ``load_kv_async``, not yet seen
+    parked), the vLLM ``Scheduler`` once found (``scheduler``) and the derived KV wait
+    statuses."""
+
+    waits: dict[str, Wait] = field(default_factory=dict)
+    async_loads: dict[str, Any] = field(default_factory=dict)
+    scheduler: Any = None
+    statuses: frozenset | None = None
+
+
+def _table(cs: Any) -> WaitTable:
+    table = cs.__dict__.get(TABLE_ATTR)
+    if table is None:
+        table = cs.__dict__[TABLE_ATTR] = WaitTable()
+    return table
+
+
+def _scheduler(table: WaitTable, frame: Any, request_id: str) -> Any:
+    if table.scheduler is None:
+        table.scheduler = degrade.find_scheduler(frame, request_id)
+    return table.scheduler
+
+
+# -- deferred lookups (called by the admission check) ----------------------------------
+def observe_deferred(cs: Any, request: Any, ready: int) -> Wait | None:
+    """Observe one deferred answer (``None``) of the connector's lookup for ``request``;
+    ``ready``: the progress measure, the number of chunks of the awaited load set (the
+    load set of the longest hit the request's offload keys allow) that are ready in the
+    CPU tier now. Returns the :class:`Wait` when it is stalled and not yet acted on under
+    ``observe`` (the caller then calls :func:`act_deferred`), else None."""
+    rid = request.request_id
+    table = _table(cs)
+    req_status = cs._req_status.get(rid)
+    jobs = frozenset(getattr(req_status, "transfer_jobs", None) or ())
+    kind = names.WAIT_TRANSFERS_IN_FLIGHT if jobs else names.WAIT_LOOKUP_DEFERRED
+    now = time.monotonic()
+    _bump("evaluated")
+    wait = table.waits.get(rid)
+    if wait is None or wait.kind != kind or wait.request is not request:
+        table.waits[rid] = Wait(kind, request, best=ready, jobs=jobs, since=now)
+        return None
+    if ready > wait.best or jobs != wait.jobs:
+        wait.best = max(wait.best, ready)
+        wait.jobs = jobs
+        wait.progress(now)
+        return None
+    wait.stale += 1
+    if wait.acted or not wait.exceeded(now):
+        return None
+    return wait
+
+
+def act_deferred(cs: Any, wait: Wait, ready_hit: int, answer: Any) -> Any:
+    """Act by policy on a stalled deferred lookup; returns the lookup's answer.
+
+    ``lookup_deferred`` under guard: ``(ready_hit, ready_hit > 0)``; ``transfers_in_flight``
+    under guard: the request is failed alone (:func:`kvguard.guards.degrade.fail_waiting`)
+    and ``answer`` (vLLM's ``None``) is returned. Observe returns ``answer``; strict raises
+    ``AssertionError``."""
+    policy = runtime.policy()
+    table = _table(cs)
+    message = _message(wait)
+    if policy == names.POLICY_STRICT:
+        _count(wait, names.ACTION_RAISED, policy, ready_hit)
+        raise AssertionError(message)
+    if policy == names.POLICY_OBSERVE:
+        wait.acted = True
+        _count(wait, names.ACTION_CONTINUED, policy, ready_hit)
+        return answer
+    if wait.kind == names.WAIT_LOOKUP_DEFERRED:
+        table.waits.pop(wait.request.request_id, None)
+        _count(wait, names.ACTION_HIT_REDUCED, policy, ready_hit)
+        return (ready_hit, ready_hit > 0)
+    scheduler = _scheduler(table, sys._getframe(1), wait.request.request_id)
+    if degrade.fail_waiting(scheduler, cs, wait.request.request_id, message):
+        wait.acted = True
+        _count(wait, names.ACTION_REQUEST_FAILED, policy, None)
+    return answer
+
+
+def answered(cs: Any, request_id: str) -> None:
+    """The lookup answered ``request_id`` with a number: a deferral, if any, ended."""
+    waits = cs.__dict__.get(TABLE_ATTR)
+    if waits is not None and waits.waits:
+        wait = waits.waits.get(request_id)
+        if wait is not None and wait.kind in (names.WAIT_LOOKUP_DEFERRED, names.WAIT_TRANSFERS_IN_FLIGHT):
+            del waits.waits[request_id]
+
+
+def admitted_async(cs: Any, request: Any) -> None:
+    """The lookup admitted ``request`` with ``load_kv_async``: watch it at the next steps
+    (it is parked in a KV wait status once vLLM allocates its blocks)."""
+    _table(cs).async_loads[request.request_id] = request
+
+
+# -- async loads (once per schedule(), from build_connector_meta) -----------------------
+def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
+    """One ``schedule()`` of the scheduler that owns ``cs`` ended (``build_connector_meta``
+    with ``scheduler_output``; ``frame`` is that call's, to find vLLM's ``Scheduler``).
+
+    Parks newly admitted async loads, drops ended waits, counts a step without progress
+    for every KV wait and acts on each stalled one. Raises ``AssertionError`` only under
+    ``strict``."""
+    table = cs.__dict__.get(TABLE_ATTR)
+    if table is None or not (table.waits or table.async_loads):
+        return
+    statuses = table.statuses
+    now = time.monotonic()
+    if table.async_loads:
+        for rid, request in list(table.async_loads.items()):
+            if statuses is None:
+                statuses = table.statuses = kv_wait_statuses(type(request.status))
+            status = request.status.name
+            if status in statuses:
+                del table.async_loads[rid]
+                table.waits[rid] = Wait(names.WAIT_LOAD_IN_FLIGHT, request, since=now)
+            elif status != "WAITING" or rid not in cs._req_status:
+                del table.async_loads[rid]  # scheduled, finished or preempted: no async wait
+    if not table.waits:
+        return
+    scheduler = None
+    busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+    for rid, wait in list(table.waits.items()):
+        request = wait.request
+        status = request.status.name
+        if wait.kind in (names.WAIT_LOOKUP_DEFERRED, names.WAIT_TRANSFERS_IN_FLIGHT):
+            if status != "WAITING" and status != "PREEMPTED" or rid not in cs._req_status:
+                del table.waits[rid]  # scheduled or finished: the deferral ended
+            continue
+        if statuses is None or status not in statuses:
+            del table.waits[rid]  # promoted (or finished): the wait ended
+            continue
+        if scheduler is None:
+            scheduler = _scheduler(table, frame, rid)
+        reported = rid in (getattr(scheduler, "finished_recving_kv_req_ids", None) or ())
+        kind = names.WAIT_LOAD_NOT_PROMOTED if reported else names.WAIT_LOAD_IN_FLIGHT
+        _bump("evaluated")
+        if kind != wait.kind:
+            wait.kind = kind
+            wait.progress(now)
+            continue
+        if kind == names.WAIT_LOAD_NOT_PROMOTED and busy:
+            wait.progress(now)  # the engine serves others: the scan reaches it in time
+            continue
+        wait.stale += 1
+        if wait.acted or not wait.exceeded(now):
+            continue
+        policy = runtime.policy()
+        message = _message(wait)
+        if policy == names.POLICY_STRICT:
+            _count(wait, names.ACTION_RAISED, policy, None)
+            raise AssertionError(message)
+        wait.acted = True
+        if policy == names.POLICY_OBSERVE:
+            _count(wait, names.ACTION_CONTINUED, policy, None)
+        elif degrade.fail_waiting(scheduler, cs, rid, message):
+            _count(wait, names.ACTION_REQUEST_FAILED, policy, None)
+
+
+def _message(wait: Wait) -> str:
+    return (
+        f"kvguard wait_bound: request {wait.request.request_id} waited ({wait.kind}) "
+        f"{wait.stale} observations and {time.monotonic() - wait.since:.1f} s without progress "
+        f"(bound: {_steps} observations and {_seconds:g} s)"
+    )
+
+
+def _count(wait: Wait, action: str, policy: str, ready_hit: int | None) -> None:
+    _bump(f"{wait.kind}:{action}")
+    if _metrics is not None:
+        try:
+            _metrics.violation(names.CHECK_WAIT_BOUND, action)
+            _metrics.wait_bound_exceeded(wait.kind, action)
+        except Exception as error:
+            runtime.guard_error(names.STAGE_METRICS, error)
+    if _events is not None:
+        _events.wait_bound_exceeded(
+            **{
+                names.KEY_CHECK: names.CHECK_WAIT_BOUND,
+                names.KEY_WAIT: wait.kind,
+                names.KEY_ACTION: action,
+                names.KEY_POLICY: policy,
+                names.KEY_REQUEST_ID: wait.request.request_id,
+                names.KEY_STALE_OBSERVATIONS: wait.stale,
+                names.KEY_STALE_SECONDS: round(time.monotonic() - wait.since, 3),
+                names.KEY_READY_HIT_TOKENS: ready_hit,
+            }
+        )
+
+
+# -- the per-step hook -------------------------------------------------------------------
+_attached: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def attach(cs: Any) -> bool:
+    """Give connector scheduler ``cs`` an instance-level wrapper of ``build_connector_meta``
+    that runs :func:`observe_step` before vLLM's method; True when attached (not when the
+    check is off or ``cs`` has its own ``build_connector_meta`` attribute already)."""
+    if not _enabled or "build_connector_meta" in cs.__dict__:
+        return False
+    inner = cs.build_connector_meta
+
+    def build_connector_meta(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if TABLE_ATTR in cs.__dict__:
+            try:
+                observe_step(cs, scheduler_output, sys._getframe(1))
+            except AssertionError:
+                raise  # strict
+            except Exception as error:
+                runtime.guard_error(names.STAGE_ADMISSION, error)
+        return inner(scheduler_output, *args, **kwargs)
+
+    build_connector_meta._kvguard_wait_bound = True  # type: ignore[attr-defined]
+    cs.__dict__["build_connector_meta"] = build_connector_meta
+    _attached.add(cs)
+    return True
+
+
+def detach_all() -> None:
+    """Remove every wrapper :func:`attach` set."""
+    for cs in list(_attached):
+        attr = cs.__dict__.get("build_connector_meta")
+        if getattr(attr, "_kvguard_wait_bound", False):
+            del cs.__dict__["build_connector_meta"]
+        cs.__dict__.pop(TABLE_ATTR, None)
+    _attached.clear()
