@@ -266,6 +266,14 @@ def build_dashboard() -> dict[str, Any]:
         "what was not modelled.",
         [_target(f"sum by (check, reason) (increase(kvguard_check_skipped_total{{{KV}}}{RI}))",
                  "{{check}} ({{reason}})")]))
+    lay.add(_timeseries(
+        "Waits ended by the wait bound",
+        "Requests the offload path kept waiting without progress past the wait bound "
+        "(KVGUARD_WAIT_BOUND_STEPS and KVGUARD_WAIT_BOUND_SECONDS; alert KVGuardRequestWaitStalled), by "
+        "what they waited for (wait) and what kvguard did (action: hit_reduced, request_failed, or "
+        "continued under observe: still stuck). Should be empty.",
+        [_target(f"sum by (wait, action) (increase(kvguard_wait_bound_exceeded_total{{{KV}}}{RI}))",
+                 "{{wait}} ({{action}})")]))
 
     lay.row("Engine (kvguard sidecar)")
     lay.add(_stat(

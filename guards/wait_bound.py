@@ -326,6 +326,7 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
         return
     statuses = table.statuses
     now = time.monotonic()
+    parked: set[str] = set()
     if table.async_loads:
         for rid, request in list(table.async_loads.items()):
             if statuses is None:
@@ -334,6 +335,7 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
             if status in statuses:
                 del table.async_loads[rid]
                 table.waits[rid] = Wait(names.WAIT_LOAD_IN_FLIGHT, request, since=now)
+                parked.add(rid)  # the wait begins: its first observation is the next step
             elif status != "WAITING" or rid not in cs._req_status:
                 del table.async_loads[rid]  # scheduled, finished or preempted: no async wait
     if not table.waits:
@@ -349,6 +351,8 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
             continue
         if statuses is None or status not in statuses:
             del table.waits[rid]  # promoted (or finished): the wait ended
+            continue
+        if rid in parked:
             continue
         if scheduler is None:
             scheduler = _scheduler(table, frame, rid)

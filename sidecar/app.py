@@ -8,8 +8,8 @@ Endpoints (the OpenAPI document is generated at ``/openapi.json``):
 ``/livez``      200 while the engine is ``up`` (vLLM's ``/health`` answers 200 and no fatal
                 record of this start appeared); 503 otherwise
 ``/readyz``     200 only when live and ``/v1/models`` answered 200 on the same poll
-``/status``     JSON: engine state, last fatal cause, counts by check, policy, versions,
-                state-dir problems (``blind``, ``unreadable``) and what the sidecar still
+``/status``     JSON: engine state, last fatal cause, counts by check, the waits the wait
+                bound ended (``waits_ended``), policy, versions, state-dir problems (``blind``, ``unreadable``) and what the sidecar still
                 waits for (``waiting``)
 ``/healthz``    the sidecar itself: 200 while its poller runs
 ==============  ==========================================================================
@@ -64,6 +64,7 @@ from kvguard.sidecar.collector import (
     SidecarCollector,
     SidecarView,
     check_counts,
+    wait_counts,
     read_metrics_dir,
     with_zero_counters,
 )
@@ -156,6 +157,8 @@ class StatusResponse(BaseModel):
     last_fatal: FatalCause | None
     fatal_history: int
     checks: dict[str, CheckCounts]
+    #: waits the wait bound ended (guard) or counted (observe): ``{wait: {action: n}}``
+    waits_ended: dict[str, dict[str, float]] = {}
     policy: str
     versions: Versions
     state_dir: str | None
@@ -441,6 +444,7 @@ def create_app(cfg: SidecarConfig) -> FastAPI:
             else None,
             fatal_history=len(records),
             checks={k: CheckCounts(**v) for k, v in check_counts(result.families).items()},
+            waits_ended=wait_counts(result.families),
             policy=cfg.policy,
             versions=Versions(kvguard=kv_version, vllm=vllm_version()),
             state_dir=str(state.root) if state else None,

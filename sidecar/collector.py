@@ -68,6 +68,7 @@ __all__ = [
     "SidecarView",
     "StateDirCollector",
     "check_counts",
+    "wait_counts",
     "describe_error",
     "judge_key",
     "read_metrics_dir",
@@ -390,6 +391,9 @@ def _engine_counters() -> list[tuple[str, str, tuple[str, ...], list[tuple[str, 
          (n.LABEL_CHECK, n.LABEL_ACTION), [(c, a) for c in n.CHECKS for a in n.ACTIONS]),
         ("kvguard_guard_errors", "Exceptions raised inside kvguard code (the original vLLM path ran).",
          (n.LABEL_STAGE,), [(st,) for st in n.STAGES]),
+        ("kvguard_wait_bound_exceeded",
+         "Requests whose offload wait made no progress within the wait bound, by wait kind and the action taken.",
+         (n.LABEL_WAIT, n.LABEL_ACTION), [(w, a) for w in n.WAITS for a in n.ACTIONS]),
     ]
 
 
@@ -441,6 +445,23 @@ def check_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
                 continue
             row = out.setdefault(check, {"evaluated": 0.0, "tolerated": 0.0, "violations": 0.0})
             row[key] += s.value
+    return out
+
+
+def wait_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
+    """Waits the wait bound ended (or counted, under observe) from merged families:
+    ``{wait: {action: n}}`` of ``kvguard_wait_bound_exceeded_total`` (guards/wait_bound.py),
+    only the non-zero series."""
+    out: dict[str, dict[str, float]] = {}
+    for fam in families:
+        for s in fam.samples:
+            if s.name != "kvguard_wait_bound_exceeded_total" or not s.value:
+                continue
+            wait, action = s.labels.get("wait"), s.labels.get("action")
+            if wait is None or action is None:
+                continue
+            row = out.setdefault(wait, {})
+            row[action] = row.get(action, 0.0) + s.value
     return out
 
 

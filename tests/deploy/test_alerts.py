@@ -18,6 +18,7 @@ from deploytools import DASHBOARDS, metric_names, ROOT, alerts, kvguard_exposed_
 #: alert -> (severity, for). The issue fixes the names; `for` is what the runbooks promise.
 EXPECTED = {
     "KVGuardInvariantViolation": ("critical", None),
+    "KVGuardRequestWaitStalled": ("critical", None),
     "KVGuardBoundTolerated": ("warning", "1m"),
     "VLLMEngineDown": ("critical", "1m"),
     "VLLMEngineRestartLoop": ("warning", "1m"),
@@ -36,7 +37,7 @@ def _rules() -> list[dict]:
 def test_promtool_check_rules_accepts_the_rules_file():
     res = run([promtool(), "check", "rules", str(DASHBOARDS / "alerts.yaml")])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 7 rules found" in res.stdout + res.stderr
+    assert "SUCCESS: 8 rules found" in res.stdout + res.stderr
 
 
 def test_promtool_unit_tests_pass():
@@ -145,7 +146,7 @@ def test_runbooks_name_real_dashboard_panels_and_status_fields():
                     assert title in titles, f"{rule['alert']}: no panel {title!r}"
                     quoted_panels += 1
         # /status JSON paths quoted as `engine.state`, `checks.<check>.tolerated`, `last_fatal`
-        for path in re.findall(r"`((?:engine|last_fatal|checks|versions)(?:\.[\w<>]+)*)`", text):
+        for path in re.findall(r"`((?:engine|last_fatal|checks|versions|waits_ended)(?:\.[\w<>]+)*)`", text):
             parts = path.split(".")
             assert parts[0] in top, path
             leaf = parts[-1]

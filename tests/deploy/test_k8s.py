@@ -125,7 +125,7 @@ def test_prometheus_rule_spec_is_the_rules_file(tmp_path):
     f.write_text(yaml.safe_dump(spec))
     res = run([promtool(), "check", "rules", str(f)])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 7 rules found" in res.stdout + res.stderr
+    assert "SUCCESS: 8 rules found" in res.stdout + res.stderr
 
 
 def test_dashboard_configmap_for_the_grafana_sidecar():

@@ -27,3 +27,25 @@ class NoCopyLoadSpec(CPUPlatformOffloadingSpec):
         if self._worker is None:
             self._worker = NoCopyLoadWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
         return self._worker
+
+
+class HungFirstLoadWorker(CPUPlatformOffloadingWorker):
+    """The first load job is accepted and never reported (a lost completion); every other
+    job copies and completes as the shipped worker's. The fault of the wait-bound test
+    (tests/live/test_live_wait_bound.py)."""
+
+    hung: int | None = None
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        if self.hung is None:
+            self.hung = job_id
+            logger.info("hung load: job %d accepted, never completed", job_id)
+            return True
+        return super().submit_load(job_id, src_spec, dst_spec)
+
+
+class HungFirstLoadSpec(CPUPlatformOffloadingSpec):
+    def get_worker(self, kv_caches):
+        if self._worker is None:
+            self._worker = HungFirstLoadWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._worker

@@ -105,6 +105,24 @@ def test_metrics_merge_multiprocess_files_across_pids(fake, tmp_path):
         assert status["versions"] == {"kvguard": "0.1.0", "vllm": "0.32.0"}
 
 
+def test_status_names_the_waits_the_wait_bound_ended(fake, tmp_path):
+    state = StateDir(tmp_path).ensure()
+    inc = ("Counter('kvguard_wait_bound_exceeded', 'h', ['wait', 'action'])"
+           ".labels('load_in_flight', 'request_failed').inc({n})\n")
+    write_mp(state.metrics, inc.format(n=1))
+    write_mp(state.metrics, inc.format(n=2))  # another EngineCore pid: summed
+    write_mp(state.metrics, "Counter('kvguard_wait_bound_exceeded', 'h', ['wait', 'action'])"
+                            ".labels('lookup_deferred', 'hit_reduced').inc()\n")
+    with TestClient(create_app(cfg(fake.url, tmp_path))) as client:
+        status = client.get("/status").json()
+        assert status["waits_ended"] == {"load_in_flight": {"request_failed": 3.0},
+                                         "lookup_deferred": {"hit_reduced": 1.0}}
+        m = samples(client.get("/metrics").text)
+        # every other series exists at 0 before its first event (the alert's increase() sees it)
+        assert m[("kvguard_wait_bound_exceeded_total", (("action", "continued"), ("wait", "load_not_promoted")))] == 0.0
+        assert m[("kvguard_wait_bound_exceeded_total", (("action", "request_failed"), ("wait", "load_in_flight")))] == 3.0
+
+
 def test_fatal_record_turns_livez_503_and_is_reported(fake, tmp_path):
     state = StateDir(tmp_path).ensure()
     write_mp(state.metrics, "Counter('kvguard_engine_fatal', 'h', ['exception']).labels('AssertionError').inc()\n")
