@@ -118,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     if not harness.run_replay(trace, guard=True, policy="guard").ok:  # warm-up, installs the guard
         print("warm-up replay failed", file=sys.stderr)
         return 1
+    from kvguard.guards import wait_bound
+
+    ended = {k: v for k, v in wait_bound.snapshot().items() if ":" in k}
+    # a healthy trace: the wait bound must never end a wait here (no false alarm)
+    print(f"wait bound on the bench trace: {wait_bound.snapshot().get('evaluated', 0)} observations, "
+          f"ended {ended or 'none'}", file=sys.stderr)
+    if ended:
+        print("the wait bound ended a wait on the bench trace: a false alarm", file=sys.stderr)
+        return 1
     if args.gc == "freeze":
         # what vLLM's EngineCore does once it is built (v1/engine/core.py: freeze_gc_heap(),
         # gc.collect of each generation then gc.freeze()): the start-up heap (torch, vLLM,
