@@ -1,4 +1,4 @@
-"""Admission check of an offload cache hit: its load set must be loadable (issue 9, item 1).
+"""Admission check of an offload cache hit: its load set must be loadable: every chunk a load reads is there.
 
 Where the connector answers ``OffloadingConnectorScheduler.get_num_new_matched_tokens
 (request, num_computed_tokens, ...)`` with ``(num_external_tokens, load_async)``, kvguard
@@ -14,7 +14,7 @@ after the source of that ``get`` is verified to be a single ``return`` of dict
 ``.get(key)`` reads (the LRU and ARC policies of 0.21-0.33); an entry is readable when
 its ``is_ready`` is true.
 
-What kvguard cannot model or read is skipped, not an error (issue 20 item 5): a connector
+What kvguard cannot model or read is skipped, not an error: a connector
 scheduler with a KV cache group of a kind :mod:`~kvguard.guards.load_coverage` does not
 model (reason ``group_kind``; modelled: full attention, sliding window, Mamba), with a
 manager whose cache policy has not the structure above (``offload_manager``: a custom
@@ -53,7 +53,7 @@ chunk loads one chunk more, to the left, that the lookup never looked up; 0.33.0
 the first window by ``load_window_size_in_chunks``), and a driven hit of the replay
 harness moves the load set left of the window the lookup confirmed.
 
-Where the check runs (issue 21): in vLLM's own lookup. The instrumentor rewrites each
+Where the check runs : in vLLM's own lookup. The instrumentor rewrites each
 ``return <answer>`` of ``get_num_new_matched_tokens`` into ``return
 admit_return(self, request, num_computed_tokens, <answer>)`` (the ``admission_return``
 kind of :mod:`kvguard.guards.rewrite`, compiled with the function's other sites, vLLM's
@@ -72,7 +72,7 @@ of a deferred answer need the manager's per-key answers of that very call. In
 :func:`admit` the chunk bounds are computed inline, the plan is read off the scheduler's
 ``__dict__`` and the counters are incremented without a call.
 
-Kept verdicts (issue 21): vLLM looks a waiting request up again on every step until its
+Kept verdicts : vLLM looks a waiting request up again on every step until its
 GPU blocks fit (the head of the queue: 1,424 of the 1,624 checked lookups of the bench
 trace on 0.33.0, 3 Dec 2026). A loadable verdict is kept per request with
 ``(epoch, the request's offload status object, num_computed_tokens, hit)`` and reused
@@ -97,7 +97,7 @@ object). Otherwise, by policy:
 ``guard``     the hit is reduced to the longest shorter hit whose load set is loadable
               (chunk aligned; or 0), so vLLM recomputes the rest (``action="hit_reduced"``,
               ``kvguard_recomputed_tokens_total{check="load_coverage"}`` += the tokens cut).
-``strict``    raises ``AssertionError`` (issue 9 item 4: strict raises on any failure;
+``strict``    raises ``AssertionError`` (strict raises on any failure;
               ``action="raised"``): the engine dies at admission, before a load is built.
 ============  ==========================================================================
 
@@ -1343,7 +1343,7 @@ _suspended = 0
 def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
     """The admission check where vLLM's rewritten lookup calls it: on each ``return`` of
     ``get_num_new_matched_tokens`` (the ``admission_return`` rewrite of
-    :mod:`kvguard.guards.rewrite`; issue 21: no wrapper frame, no argument binding).
+    :mod:`kvguard.guards.rewrite`: no wrapper frame, no argument binding).
 
     ``cs``, ``request``, ``num_computed_tokens``: the method's own ``self`` and arguments
     (tokens); ``answer``: the ``(num_external_tokens | None, load_async)`` it is returning.

@@ -1,4 +1,4 @@
-"""Fail one request instead of the engine (issue 9 item 3, action ``request_failed``).
+"""Fail one request instead of the engine (action ``request_failed``).
 
 When a request-scoped assert of the offload scheduler fails under ``guard`` (an assert
 of ``update_state_after_alloc`` that runs before the method issues the request's load,

@@ -209,7 +209,7 @@ def uninstalled(**fields: Any) -> None:
 
 
 def hit_reduced(**fields: Any) -> None:
-    """The admission check found a hit whose load set is not loadable (issue 9 item 1):
+    """The admission check found a hit whose load set is not loadable:
     check, action (``hit_reduced`` / ``continued`` / ``raised``), request_id, local /
     external / admitted hit tokens, recomputed_tokens, missing_chunks, first_missing."""
     _emit("warning", names.EVENT_HIT_REDUCED, fields)
@@ -223,14 +223,14 @@ def wait_bound_exceeded(**fields: Any) -> None:
 
 
 def vllm_unmeasured(**fields: Any) -> None:
-    """The installed vLLM is not a release kvguard was measured on (issue 20 item 7):
+    """The installed vLLM is not a release kvguard was measured on:
     vllm_version, vllm_support, relation (``newer`` / ``older`` / ``unlisted``),
     measured_range, reason. kvguard installed anyway; logged once per process and version."""
     _emit("warning", names.EVENT_VLLM_UNMEASURED, fields)
 
 
 def check_skipped(**fields: Any) -> None:
-    """A check is skipped on a connector scheduler (issue 20 item 5), once per scheduler,
+    """A check is skipped on a connector scheduler, once per scheduler,
     check and reason: check, reason (:data:`kvguard.guards.names.SKIP_REASONS`), detail
     (what kvguard could not model or read, e.g. the group kind); vLLM's answers pass through."""
     _emit("warning", names.EVENT_CHECK_SKIPPED, fields)

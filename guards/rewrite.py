@@ -39,7 +39,7 @@ clash with vLLM's (pytest uses ``@py_assert``):
     try:
         src_spec = GPULoadStoreSpec(...)           # the original statement, untouched
         @kvguard_exc = @kvguard_check_store(<site_id>, src_spec, @kvguard_locals())
-        if @kvguard_exc is not None:               # store coverage (issue 22)
+        if @kvguard_exc is not None:               # store coverage
             raise @kvguard_exc
     except @kvguard_StoreDropped:
         @kvguard_drop_store(<site_id>, @kvguard_locals())
@@ -50,7 +50,7 @@ the ``len(...) == len(...)`` assert of vLLM #49118 (a ``for`` over the KV cache 
 the same handler, so a drop skips to the next request. Such a statement is matched by
 its normalized text *before* its own asserts are rewritten.
 
-``request_scope`` (issue 9 item 3; the whole body of a request-scoped method)::
+``request_scope`` (the whole body of a request-scoped method)::
 
     try:
         <body, its asserts rewritten as above>
@@ -58,7 +58,7 @@ its normalized text *before* its own asserts are rewritten.
         @kvguard_fail_request(<site_id>, @kvguard_locals())
         return None
 
-``admission_return`` (issue 21; the connector scheduler's ``get_num_new_matched_tokens``)::
+``admission_return`` (the connector scheduler's ``get_num_new_matched_tokens``)::
 
     return @kvguard_admit_return(self, request, num_computed_tokens, <value>)
 
@@ -464,7 +464,7 @@ class SiteRewriter(ast.NodeTransformer):
 
 def _store_coverage_check(node: ast.Assign, spec: SiteSpec) -> list[ast.stmt]:
     """After the store drop site's ``<name> = GPULoadStoreSpec(...)``: the store coverage
-    check of the spec just built (issue 22, :mod:`kvguard.guards.store_coverage`)::
+    check of the spec just built (:mod:`kvguard.guards.store_coverage`)::
 
         @kvguard_exc = @kvguard_check_store(<site_id>, <name>, @kvguard_locals())
         if @kvguard_exc is not None:

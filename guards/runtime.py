@@ -93,7 +93,7 @@ class StoreDropped(AssertionError):
 
 
 class RequestFailed(AssertionError):
-    """Raised by a request-scoped assert under ``guard`` (issue 9 item 3).
+    """Raised by a request-scoped assert under ``guard``.
 
     The rewritten request-scoped method (``update_state_after_alloc``) catches it around
     its whole body and returns before it issued the request's load; the request was
@@ -548,7 +548,7 @@ _drop_check: str | None = None
 
 
 def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseException | None:
-    """The store coverage check (issue 22, :mod:`kvguard.guards.store_coverage`) of the
+    """The store coverage check (:mod:`kvguard.guards.store_coverage`) of the
     ``GPULoadStoreSpec`` the store builder just built; returns the exception to raise, or None.
 
     ``spec``: the spec (``block_ids``, ``group_sizes``, ``block_indices``: GPU block ids

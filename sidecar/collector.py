@@ -25,7 +25,7 @@ Series served (besides whatever the engine plugin writes):
   ``increase()`` sees their first event.
 - ``kvguard_build_info{kvguard_version,vllm_version,vllm_support}``  gauge, always 1;
   ``vllm_support``: ``measured``, ``unmeasured`` or ``unknown``
-  (:func:`kvguard.guards.sites.vllm_support` of ``vllm_version``, issue 20 item 7)
+  (:func:`kvguard.guards.sites.vllm_support` of ``vllm_version``, )
 - ``kvguard_sidecar_errors_total{source,reason}``  counter: state-dir problems first met
 - ``kvguard_sidecar_unreadable{source,reason}``    gauge: state-dir paths unusable now
   (:mod:`kvguard.sidecar.problems`)
@@ -400,7 +400,7 @@ def _engine_counters() -> list[tuple[str, str, tuple[str, ...], list[tuple[str, 
 def with_zero_counters(families: list[Metric]) -> list[Metric]:
     """``families`` plus, at 0, every engine counter series over a closed label set that
     they lack, so that an alert's ``increase()`` sees the very first event even when the
-    sidecar is scraped before vLLM loaded the plugin (issue 12 row 2)."""
+    sidecar is scraped before vLLM loaded the plugin (an alert's first event)."""
     by_name = {f.name: f for f in families}
     out = list(families)
     for name, help_text, labelnames, values in _engine_counters():
@@ -550,7 +550,7 @@ class SidecarCollector(Collector):
         )
         yield merge_fatal(self.engine_fatal, v.fatal_records)
         # stdlib-only (packaging is imported lazily by the function): the declared support
-        # of the vLLM version served here, the plugin's own rule (issue 20 item 7)
+        # of the vLLM version served here, the plugin's own rule
         from kvguard.guards.sites import vllm_support
 
         info = GaugeMetricFamily(

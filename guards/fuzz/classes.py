@@ -19,7 +19,7 @@ A finding is one of (``kind``):
   is worse than a crash.
 - ``request-failed``: the engine stayed up and vLLM itself failed a request whose load
   the worker reported failed (vLLM 0.34.0's ``load_failure_policy`` "fail": the release's
-  own degrade of a worker-side transfer failure, issue 22 item 4). A request that ended
+  own degrade of a worker-side transfer failure). A request that ended
   with an error status (this one, or kvguard's ``request_failed`` degrade, named by its
   ``check`` class) is counted in ``requests_failed``, never as lost: it ended, with an
   error its client sees. *Lost* is a request of a surviving engine that neither finished,

@@ -1,6 +1,6 @@
 """Deterministic generation: a seed's examples must not depend on what the process imported.
 
-Issue 10 asks for ``kvguard fuzz`` to be deterministic for a given seed and vLLM release.
+``kvguard fuzz`` must be deterministic for a given seed and vLLM release.
 Hypothesis' ``@seed`` + ``database=None`` + a fixed ``max_examples`` are not enough:
 Hypothesis' default provider (``HypothesisProvider``) draws, with probability 0.05 per
 integer / float / string / bytes draw, a value from a pool of *constants*, and half of

@@ -329,7 +329,7 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
 def not_generated(
     worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
-    """Fields of issue 10 the fuzzer does not generate on this checkout/release, with the reason."""
+    """Fields of the fuzz specification the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.guards.fuzz import strategies
 
     return strategies.not_generated(worker_model, async_scheduling, kv_layouts)

@@ -514,7 +514,7 @@ LAYOUTS_OFF = (
 def not_generated(
     worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
-    """Fields of issue 10 this generator does not draw in this checkout, each with why.
+    """Fields of the fuzz specification this generator does not draw in this checkout, each with why.
 
     The trace format grows (aborts, the worker model, several KV cache groups) in other
     branches; a field appears here until the trace format here has it.

@@ -1,4 +1,4 @@
-"""The upstream-ready report ``kvguard fuzz`` writes beside each wrong-KV trace (issue 22).
+"""The upstream-ready report ``kvguard fuzz`` writes beside each wrong-KV trace.
 
 For a ``wrong-kv`` class the fuzzer keeps the minimal trace (``<slug>.jsonl``) and writes
 ``<slug>.md`` beside it: what vLLM alone serves (the KV-content oracle's offenders: request,

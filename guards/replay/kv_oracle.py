@@ -21,7 +21,7 @@ as the hardware would. On 0.33 the layers sit side by side in each block, so sto
 keyed by (group, block id).
 
 The hooks, in the order the simulated worker calls them in one step (a worker model with
-job latency, issue 10, calls the same hooks at other times; each hook is self-contained):
+job latency calls the same hooks at other times; each hook is self-contained):
 
 - :meth:`load` (``cpu_spec`` -> ``gpu_spec``): a load job's copy, at its *completion*.
 - :meth:`check` (``scheduler_output``): before the step's compute. For every scheduled

@@ -22,7 +22,7 @@ groups, ``cpu_chunks`` offloaded blocks the CPU tier holds (it sets
 ``cpu_bytes_to_use``), ``max_num_batched_tokens`` / ``max_num_seqs`` /
 ``max_model_len`` as in vLLM's ``SchedulerConfig``, ``vocab_size`` for token ids.
 
-Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups above):
+Optional geometry fields (omitted, the layout is the two groups above):
 
 - ``extra_retained_tokens``: tokens the sliding-window group keeps below its window
   (MTP; vLLM's ``SlidingWindowSpec.extra_retained_tokens``, vLLM 0.33.0 has it, 0.21.0 and
@@ -44,7 +44,7 @@ Optional geometry fields (issue 9, item 6; omitted, the layout is the two groups
   ``block_size`` there requires one block size for all groups); a release without that
   key raises ``RuntimeError``. ``num_gpu_blocks`` is shared by all groups.
 
-- ``secondary_tiers`` (issue 10): vLLM's ``TieringOffloadingSpec`` key of
+- ``secondary_tiers``: vLLM's ``TieringOffloadingSpec`` key of
   ``kv_connector_extra_config``, a list of secondary tier configs below the CPU tier::
 
       "secondary_tiers": [{"type": "example"}]
@@ -108,7 +108,7 @@ Request (one per line, in arrival order)::
 - ``max_tokens``: output tokens to generate (``SamplingParams.max_tokens``).
 - ``external_hit_tokens`` (optional): drive this request's external-hit step directly.
   The real lookup runs first; its hit (tokens beyond the local GPU hit) is then capped so
-  that ``num_cached_tokens`` equals this value. This is the documented fallback of issue 2
+  that ``num_cached_tokens`` equals this value. This is the documented fallback
   for a geometry a vLLM release cannot reach through ``schedule()`` alone (see
   ``docs/replay.md``); everything after it (allocation in the real KV cache manager,
   ``update_state_after_alloc``, the load job, the worker) is vLLM's own path.
