@@ -1,6 +1,6 @@
 """The wait bound's bookkeeping (guards/wait_bound.py) without vLLM: what counts as progress,
 when a wait is stalled (both bounds), and what each policy does. The same decisions on the
-real scheduler and connector: tests/vllm/test_wait_bound.py."""
+real scheduler and connector: tests/vllm/test_wait_bound.py (this file: tests/guards/test_wait_bound_light.py)."""
 
 from __future__ import annotations
 
