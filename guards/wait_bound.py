@@ -226,6 +226,9 @@ class WaitTable:
     async_loads: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None
     statuses: frozenset | None = None
+    #: True once :func:`attach` put the per-step hook on the connector scheduler: async
+    #: loads are watched only then (nothing else would ever drop them)
+    stepped: bool = False
 
 
 def _table(cs: Any) -> WaitTable:
@@ -257,6 +260,11 @@ def observe_deferred(cs: Any, request: Any, ready: int) -> Wait | None:
     _bump("evaluated")
     wait = table.waits.get(rid)
     if wait is None or wait.kind != kind or wait.request is not request:
+        if len(table.waits) > 2 * len(cs._req_status) + 16:
+            # requests vLLM no longer tracks (finished or aborted while deferred), when no
+            # per-step hook drops them
+            for gone in [r for r in table.waits if r not in cs._req_status]:
+                del table.waits[gone]
         table.waits[rid] = Wait(kind, request, best=ready, jobs=jobs, since=now)
         return None
     if ready > wait.best or jobs != wait.jobs:
@@ -310,7 +318,9 @@ def answered(cs: Any, request_id: str) -> None:
 def admitted_async(cs: Any, request: Any) -> None:
     """The lookup admitted ``request`` with ``load_kv_async``: watch it at the next steps
     (it is parked in a KV wait status once vLLM allocates its blocks)."""
-    _table(cs).async_loads[request.request_id] = request
+    table = _table(cs)
+    if table.stepped:
+        table.async_loads[request.request_id] = request
 
 
 # -- async loads (once per schedule(), from build_connector_meta) -----------------------
@@ -420,7 +430,8 @@ def attach(cs: Any) -> bool:
     """Give connector scheduler ``cs`` an instance-level wrapper of ``build_connector_meta``
     that runs :func:`observe_step` before vLLM's method; True when attached (not when the
     check is off or ``cs`` has its own ``build_connector_meta`` attribute already)."""
-    if not _enabled or "build_connector_meta" in cs.__dict__:
+    if not _enabled or "build_connector_meta" in cs.__dict__ or not callable(
+            getattr(cs, "build_connector_meta", None)):
         return False
     inner = cs.build_connector_meta
 
@@ -436,6 +447,7 @@ def attach(cs: Any) -> bool:
 
     build_connector_meta._kvguard_wait_bound = True  # type: ignore[attr-defined]
     cs.__dict__["build_connector_meta"] = build_connector_meta
+    _table(cs).stepped = True
     _attached.add(cs)
     return True
 

@@ -148,7 +148,7 @@ def _step(cs, sched, tokens=0):
 
 def test_an_async_load_is_watched_from_the_step_it_is_parked(bound):
     cs, sched, req = CS("r"), Scheduler(), Req("r")
-    table = cs.__dict__.setdefault(wait_bound.TABLE_ATTR, wait_bound.WaitTable(scheduler=sched))
+    table = cs.__dict__.setdefault(wait_bound.TABLE_ATTR, wait_bound.WaitTable(scheduler=sched, stepped=True))
     wait_bound.admitted_async(cs, req)
     _step(cs, sched)  # still WAITING: not parked yet
     assert table.waits == {} and "r" in table.async_loads
@@ -165,7 +165,7 @@ def test_an_async_load_is_watched_from_the_step_it_is_parked(bound):
 
 def test_a_reported_load_waits_only_through_steps_that_schedule_nothing(bound):
     cs, sched, req = CS("r"), Scheduler(), Req("r", Status.WAITING_FOR_REMOTE_KVS)
-    table = cs.__dict__.setdefault(wait_bound.TABLE_ATTR, wait_bound.WaitTable(scheduler=sched))
+    table = cs.__dict__.setdefault(wait_bound.TABLE_ATTR, wait_bound.WaitTable(scheduler=sched, stepped=True))
     wait_bound.admitted_async(cs, req)
     _step(cs, sched)
     sched.finished_recving_kv_req_ids.add("r")
@@ -180,6 +180,20 @@ def test_a_reported_load_waits_only_through_steps_that_schedule_nothing(bound):
     req.status = Status.WAITING  # promoted: the wait ended
     _step(cs, sched)
     assert table.waits == {}
+
+
+def test_without_the_step_hook_async_loads_are_not_kept():
+    cs = CS("r")
+    wait_bound.admitted_async(cs, Req("r"))
+    assert cs.__dict__[wait_bound.TABLE_ATTR].async_loads == {}
+
+
+def test_deferrals_of_requests_vllm_dropped_are_purged():
+    cs = CS(*(f"r{i}" for i in range(4)))
+    for i in range(40):
+        wait_bound.observe_deferred(cs, Req(f"gone{i}"), 0)  # never answered, never stepped
+    wait_bound.observe_deferred(cs, Req("r0"), 0)
+    assert len(cs.__dict__[wait_bound.TABLE_ATTR].waits) <= 2 * 4 + 16 + 1
 
 
 def test_switched_off_nothing_is_attached():
