@@ -140,6 +140,17 @@ def configure(steps: int = names.DEFAULT_WAIT_BOUND_STEPS, seconds: float = name
     _metrics, _events = metrics, events
 
 
+def metrics_sink() -> Any:
+    """The metrics sink :func:`configure` set (None: counts in :func:`snapshot` only)."""
+    return _metrics
+
+
+def set_metrics_sink(metrics: Any) -> None:
+    """Replace only the metrics sink (the fuzz runner's tee of kvguard's decisions)."""
+    global _metrics
+    _metrics = metrics
+
+
 def set_bound(steps: int | None = None, seconds: float | None = None) -> None:
     """Change the bound in force, keeping the sinks (the replay sets ``seconds=0``: its
     time is simulated steps)."""

@@ -105,8 +105,9 @@ class _ActionTee:
 def _tee() -> _ActionTee:
     """Tee kvguard's two metrics sinks: the runtime's (assert sites, store drops, request
     failures) and the admission check's (``load_coverage``, ``promotion_fit``,
-    ``promotion_progress``, configured apart by the instrumentor), into one ``counts``."""
-    from kvguard.guards import admission, runtime
+    ``promotion_progress``, configured apart by the instrumentor) and the wait bound's
+    (``wait_bound``), into one ``counts``."""
+    from kvguard.guards import admission, runtime, wait_bound
 
     current = runtime.configure()["metrics"]
     if isinstance(current, _ActionTee):
@@ -115,11 +116,12 @@ def _tee() -> _ActionTee:
     else:
         tee = _ActionTee(current)
         runtime.configure(metrics=tee)
-    sink = admission.metrics_sink()
-    if isinstance(sink, _ActionTee):
-        sink.counts = tee.counts
-    else:
-        admission.set_metrics_sink(_ActionTee(sink, tee.counts))
+    for module in (admission, wait_bound):  # each keeps its own sink, configured apart
+        sink = module.metrics_sink()
+        if isinstance(sink, _ActionTee):
+            sink.counts = tee.counts
+        else:
+            module.set_metrics_sink(_ActionTee(sink, tee.counts))
     return tee
 
 
