@@ -157,7 +157,11 @@ def test_observe_counts_and_keeps_vllms_deferral() -> None:
     pf = result.checks[names.CHECK_PROMOTION_FIT]
     assert pf["hit_reduced"] == 0 and pf["recomputed_tokens"] == 0
     assert pf["continued"] >= 1 and pf["continued"] == pf["violations"]  # once per deferred lookup
-    assert delta == {(names.CHECK_PROMOTION_FIT, names.ACTION_CONTINUED): float(pf["continued"])}
+    # the wait bound (guards/wait_bound.py) counts the same stall once, when it passes the
+    # bound, and leaves it too
+    assert result.checks[names.CHECK_WAIT_BOUND].get(f"{names.WAIT_LOOKUP_DEFERRED}:{names.ACTION_CONTINUED}") == 1
+    assert delta == {(names.CHECK_PROMOTION_FIT, names.ACTION_CONTINUED): float(pf["continued"]),
+                     (names.CHECK_WAIT_BOUND, names.ACTION_CONTINUED): 1.0}
     assert {e["action"] for e in fit} == {names.ACTION_CONTINUED}
 
 
@@ -182,12 +186,25 @@ def test_a_promotion_that_fits_is_left_to_vllm() -> None:
 
 @needs_tiering
 def test_the_kill_switches_leave_vllms_deferral(monkeypatch) -> None:
-    """Both deferred-hit checks off: vLLM's deferral stands (the stall)."""
-    monkeypatch.setenv("KVGUARD_DISABLED_SITES", "admission:promotion_fit,admission:promotion_progress")
+    """Both deferred-hit checks and the wait bound off: vLLM's deferral stands (the stall)."""
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES",
+                       "admission:promotion_fit,admission:promotion_progress,scheduler:wait_bound")
     result, delta, fit = _replay(LOOP, "guard")
     assert result.stalled and fit == [] and delta == {}
     assert result.checks[names.CHECK_PROMOTION_FIT]["evaluated"] == 0
     assert result.checks[names.CHECK_PROMOTION_PROGRESS]["evaluated"] == 0
+    assert not [k for k in result.checks[names.CHECK_WAIT_BOUND] if ":" in k]  # the bound never acted
+
+
+@needs_tiering
+def test_without_the_promotion_checks_the_wait_bound_ends_the_loop(monkeypatch) -> None:
+    """Both checks fitted to a tiering shape off: the end-to-end invariant alone (every wait
+    ends) ends the pigeonhole loop, a bound later, with the hit cut to what is ready."""
+    monkeypatch.setenv("KVGUARD_DISABLED_SITES", "admission:promotion_fit,admission:promotion_progress")
+    result, delta, fit = _replay(LOOP, "guard")
+    assert result.ok and not result.stalled and result.finished == 7 and result.wrong_kv_blocks == 0
+    assert delta == {(names.CHECK_WAIT_BOUND, names.ACTION_HIT_REDUCED): 1.0}
+    assert result.checks[names.CHECK_WAIT_BOUND][f"{names.WAIT_LOOKUP_DEFERRED}:{names.ACTION_HIT_REDUCED}"] == 1
 
 
 @needs_tiering
