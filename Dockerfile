@@ -14,6 +14,7 @@ FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY guards ./guards
+COPY lab ./lab
 COPY sidecar ./sidecar
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest  # noqa: E402
+from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest  # noqa: E402
 
 GEOMETRY = Geometry(
     tokens_per_block=32,
@@ -106,7 +106,7 @@ def _side(conn: Any, guard: bool, policy: str, agents: int, turns: int, reps: in
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # both sides on one core: the same core's speed
-    from kvguard.guards.replay import harness
+    from kvguard.lab.replay import harness
 
     trace = generate_trace(agents, turns)
     if not harness.run_replay(trace, guard=guard, policy=policy).ok:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_trace:
         Path(args.write_trace).write_text(trace.dumps(), encoding="utf-8")
 
-    from kvguard.guards.replay import harness
+    from kvguard.lab.replay import harness
 
     clocks = ("cpu", "wall")
     per_rep: dict[str, dict[bool, list[list[float]]]] = {c: {True: [], False: []} for c in clocks}

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvguard.guards import admission
     from kvguard.guards.instrumentor import OffloadGuardInstrumentor
-    from kvguard.guards.replay import harness
+    from kvguard.lab.replay import harness
 
     trace = generate_trace(args.agents, args.turns)
     if not harness.run_replay(trace, guard=True, policy="guard").ok:  # warm-up, installs the guard

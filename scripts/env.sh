@@ -84,14 +84,14 @@ kvguard_wheel() {
   local out="$target/.kvguard-wheel" src="$target/.kvguard-src"
   rm -rf "$out" "$src"
   mkdir -p "$src"
-  cp -r "$root/pyproject.toml" "$root/README.md" "$root/guards" "$root/sidecar" "$src/"
+  cp -r "$root/pyproject.toml" "$root/README.md" "$root/guards" "$root/lab" "$root/sidecar" "$src/"
   find "$src" -name __pycache__ -prune -exec rm -rf {} +
   "$uv" build -q --wheel --out-dir "$out" "$src" >&2
   rm -rf "$src"
   ls "$out"/kvguard-*.whl
 }
 case "$name" in
-  live-*) proj_want="$(cd "$root" && find pyproject.toml README.md guards sidecar -type f \
+  live-*) proj_want="$(cd "$root" && find pyproject.toml README.md guards lab sidecar -type f \
             \( -name '*.py' -o -name '*.jsonl' -o -name '*.toml' -o -name '*.md' \) \
             -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)" ;;
 esac

@@ -7,9 +7,9 @@ dependency only breaks the subcommand that needs it.
 ==================  =============================================  ==============================
 command             module                                         needs
 ==================  =============================================  ==============================
-``replay``          ``kvguard.guards.replay.command:replay``       vLLM
-``fuzz``            ``kvguard.guards.fuzz.command:fuzz``           vLLM, Hypothesis
-``check-geometry``  ``kvguard.guards.geometry:check_geometry``     (vLLM optional)
+``replay``          ``kvguard.lab.replay.command:replay``       vLLM
+``fuzz``            ``kvguard.lab.fuzz.command:fuzz``           vLLM, Hypothesis
+``check-geometry``  ``kvguard.lab.geometry:check_geometry``     (vLLM optional)
 ``sidecar``         ``kvguard.sidecar.commands:sidecar``           the ``sidecar`` extra
 ``run``             ``kvguard.sidecar.commands:run``               nothing beyond the core
 ==================  =============================================  ==============================
@@ -37,9 +37,9 @@ import click  # noqa: E402
 from kvguard.guards import names  # noqa: E402
 
 _COMMANDS: dict[str, str] = {
-    "replay": "kvguard.guards.replay.command:replay",
-    "fuzz": "kvguard.guards.fuzz.command:fuzz",
-    "check-geometry": "kvguard.guards.geometry:check_geometry",
+    "replay": "kvguard.lab.replay.command:replay",
+    "fuzz": "kvguard.lab.fuzz.command:fuzz",
+    "check-geometry": "kvguard.lab.geometry:check_geometry",
     "sidecar": "kvguard.sidecar.commands:sidecar",
     "run": "kvguard.sidecar.commands:run",
 }

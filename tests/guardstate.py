@@ -16,8 +16,8 @@ def restored_guard_state() -> Iterator[None]:
     is installed and restores ``KVGUARD_DISABLE``."""
     saved = os.environ.get("KVGUARD_DISABLE")
     yield
-    if "kvguard.guards.replay.harness" in sys.modules:
-        sys.modules["kvguard.guards.replay.harness"].uninstall_guard()
+    if "kvguard.lab.replay.harness" in sys.modules:
+        sys.modules["kvguard.lab.replay.harness"].uninstall_guard()
     if saved is None:
         os.environ.pop("KVGUARD_DISABLE", None)
     else:

@@ -27,7 +27,7 @@ def test_wheel_installs_only_the_kvguard_namespace(tmp_path):
     assert tops == {"kvguard", next(t for t in tops if t.endswith(".dist-info"))}
     assert "kvguard/__init__.py" not in names  # a PEP 420 namespace: nothing to collide with
     assert {"kvguard/guards/plugin.py", "kvguard/sidecar/cli.py",
-            "kvguard/guards/replay/traces/seed-48959.jsonl",
-            "kvguard/guards/fuzz/strategies.py", "kvguard/guards/fuzz/runner.py"} <= set(names)
+            "kvguard/lab/replay/traces/seed-48959.jsonl",
+            "kvguard/lab/fuzz/strategies.py", "kvguard/lab/fuzz/runner.py"} <= set(names)
     assert "kvguard = kvguard.guards.plugin:register" in entry_points
     assert "kvguard = kvguard.sidecar.entry:main" in entry_points  # fast path for kvguard run (issue 12 row 6)

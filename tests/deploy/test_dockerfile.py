@@ -110,7 +110,7 @@ def test_vllm_target_pins_a_supported_vllm_image():
 def test_build_context_holds_what_the_build_copies():
     build = _stages()["build"]
     copied = [p for i in build if i["instruction"] == "COPY" for p in i["value"].split()[:-1]]
-    assert set(copied) == {"pyproject.toml", "README.md", "guards", "sidecar"}
+    assert set(copied) == {"pyproject.toml", "README.md", "guards", "lab", "sidecar"}
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     for path in copied:

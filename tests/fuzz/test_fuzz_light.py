@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from kvguard.guards.fuzz import classes, shrink, strategies
-from kvguard.guards.fuzz.classes import Frame
-from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest, parse_trace
+from kvguard.lab.fuzz import classes, shrink, strategies
+from kvguard.lab.fuzz.classes import Frame
+from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, parse_trace
 
 SETTINGS = settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -102,7 +102,7 @@ SCHED = "/x/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloadin
 
 def test_death_class_drops_line_numbers_and_names_the_caller():
     frames = [
-        Frame("/work/guards/fuzz/runner.py", "_Capture._wrap.<locals>.call", 10),
+        Frame("/work/lab/fuzz/runner.py", "_Capture._wrap.<locals>.call", 10),
         Frame(SCHED, "OffloadingConnectorScheduler._build_store_jobs", 400),
         Frame(SITE, "GPULoadStoreSpec.__init__", 267),
     ]
@@ -205,7 +205,7 @@ def test_cli_refuses_both_budgets_and_needs_vllm(monkeypatch):
 
 
 def test_planted_fault_switch_is_read_only_when_set(monkeypatch):
-    from kvguard.guards.fuzz import plant
+    from kvguard.lab.fuzz import plant
 
     monkeypatch.delenv(plant.ENV, raising=False)
     assert plant.requested() is None
@@ -232,7 +232,7 @@ def test_progress_off_a_terminal_writes_whole_lines():
     """Off a terminal (CI logs), progress never leaves a ``\\r`` line open for a JSON log line to glue onto."""
     import io
 
-    from kvguard.guards.fuzz.report import Progress
+    from kvguard.lab.fuzz.report import Progress
 
     stream = io.StringIO()
     progress = Progress(stream, log_interval_s=0.0)
@@ -249,7 +249,7 @@ def test_progress_off_a_terminal_writes_whole_lines():
 def test_progress_on_a_terminal_rewrites_one_line():
     import io
 
-    from kvguard.guards.fuzz.report import Progress
+    from kvguard.lab.fuzz.report import Progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -273,8 +273,8 @@ def test_layout_floor_is_the_default_floor_for_the_default_layout():
 
 
 def test_count_layout_counts_groups_block_sizes_and_extra_retained_tokens():
-    from kvguard.guards.fuzz import runner
-    from kvguard.guards.replay.trace import GroupGeometry
+    from kvguard.lab.fuzz import runner
+    from kvguard.lab.replay.trace import GroupGeometry
 
     groups = (GroupGeometry("full", 16), GroupGeometry("sliding_window", 8, 64, 3),
               GroupGeometry("sliding_window", 16, 128))
@@ -291,7 +291,7 @@ def test_layout_floor_is_at_least_vllms_startup_need_with_two_capped_windows():
     + in flight, max_model_len), block) + 1`` each, plus full attention and the null block)
     is 1 + 32 + 33 + 33 = 99 blocks; the old floor gave 2 + 32 + 32 + 32 = 98 (seed 0's 3
     ``StartupCheck`` geometries on vLLM 0.33.0 were this layout)."""
-    from kvguard.guards.replay.trace import GroupGeometry
+    from kvguard.lab.replay.trace import GroupGeometry
 
     groups = (GroupGeometry("full", 16), GroupGeometry("sliding_window", 16, 736, 1),
               GroupGeometry("sliding_window", 16, 576, 2))
@@ -316,7 +316,7 @@ def test_drawn_layouts_share_one_extra_retained_tokens(monkeypatch):
             geo.kv_groups(), geo.max_model_len, geo.max_num_batched_tokens)
         seen["several"] += len(windows) >= 2 and windows[0].extra_retained_tokens > 0
 
-    from kvguard.guards.fuzz import determinism
+    from kvguard.lab.fuzz import determinism
 
     with determinism.pinned_constants():  # the draws do not depend on this process's imports
         hseed(5)(check)()
@@ -330,8 +330,8 @@ def test_a_request_vllm_fails_after_its_load_failed_is_not_lost():
     # counted each as a lost request, a stall, and the second as a kvguard bug)
     from types import SimpleNamespace
 
-    from kvguard.guards.replay.harness import ReplayResult
-    from kvguard.guards.replay.jobs import PendingJob
+    from kvguard.lab.replay.harness import ReplayResult
+    from kvguard.lab.replay.jobs import PendingJob
 
     def job(req_id: str, is_store: bool) -> PendingJob:
         return PendingJob(job_id=1, is_store=is_store, ordinal=0, submit_step=1, due_step=2,

@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 from click.testing import CliRunner
 
-from kvguard.guards.geometry import EXIT_BAD_ARGS, EXIT_SAFE, EXIT_WOULD_CRASH, check_geometry, tripping_remainders
+from kvguard.lab.geometry import EXIT_BAD_ARGS, EXIT_SAFE, EXIT_WOULD_CRASH, check_geometry, tripping_remainders
 from kvguard.sidecar.cli import main
 
 SEED = ["--sliding-window", "4096", "--block-size", "32", "--chunk-size", "256"]

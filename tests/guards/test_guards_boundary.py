@@ -35,5 +35,5 @@ def test_no_top_level_guards_or_sidecar_module():
 
 
 def test_geometry_command_imports_no_vllm():
-    mods = imported_after("import kvguard.guards.geometry")
+    mods = imported_after("import kvguard.lab.geometry")
     assert "vllm" not in mods

@@ -363,7 +363,7 @@ class TestVllmSupportLabel:
         assert set(names.VLLM_SUPPORTS) == {"measured", "unmeasured", "unknown"}
 
     def test_the_release_matrix_reads_exactly_the_measured_releases(self):
-        from kvguard.guards.release_matrix import RELEASES
+        from kvguard.lab.release_matrix import RELEASES
 
         assert RELEASES == MEASURED_VLLM_RELEASES
         assert list(MEASURED_VLLM_RELEASES) == sorted(MEASURED_VLLM_RELEASES, key=Version)

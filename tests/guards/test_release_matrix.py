@@ -17,8 +17,8 @@ import ast
 import pytest
 
 from kvguard.guards import invariants
-from kvguard.guards.geometry import tripping_remainders
-from kvguard.guards.release_matrix import RELEASES, SEED_GEOMETRY, release_row
+from kvguard.lab.geometry import tripping_remainders
+from kvguard.lab.release_matrix import RELEASES, SEED_GEOMETRY, release_row
 from kvguard.guards.rewrite import iter_functions
 from kvguard.guards.sites import (
     CONNECTOR_MODULE,

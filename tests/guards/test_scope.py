@@ -15,7 +15,7 @@ import pytest
 
 from kvguard.guards import sites
 from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _Scope
-from kvguard.guards.release_matrix import release_row
+from kvguard.lab.release_matrix import release_row
 from kvguard.guards.settings import GuardSettings
 from kvguard.guards.sites import (
     CONNECTOR_MODULE,

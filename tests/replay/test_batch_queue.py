@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvguard.guards.replay.batch_queue import BatchQueue
+from kvguard.lab.replay.batch_queue import BatchQueue
 
 
 def _out(n: int, tokens: int = 1) -> SimpleNamespace:

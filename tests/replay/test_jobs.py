@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvguard.guards.replay.jobs import JobQueue, Latency, WorkerModel, WorkerModelError
-from kvguard.guards.replay.trace import TraceError, parse_trace
+from kvguard.lab.replay.jobs import JobQueue, Latency, WorkerModel, WorkerModelError
+from kvguard.lab.replay.trace import TraceError, parse_trace
 
 HEADER = {
     "kind": "header",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvguard.guards.replay.trace import (
+from kvguard.lab.replay.trace import (
     BUILTIN_TRACES,
     DEFAULT_TRACE,
     TraceError,
@@ -117,7 +117,7 @@ def test_replay_modules_import_without_vllm() -> None:
     import subprocess
 
     code = (
-        "import sys, kvguard.guards.replay.trace, kvguard.guards.replay.report, kvguard.guards.replay.command;"
+        "import sys, kvguard.lab.replay.trace, kvguard.lab.replay.report, kvguard.lab.replay.command;"
         "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'torch'))];"
         "assert not bad, bad"
     )
@@ -181,7 +181,7 @@ def test_bad_secondary_tiers_are_rejected(tiers, message: str) -> None:
 def test_secondary_tiers_without_vllm_name_the_field_and_reason() -> None:
     """In an environment without vLLM the tiering check refuses with the reason."""
     from kvguard.guards.instrumentor import installed_vllm_version
-    from kvguard.guards.replay import tiering
+    from kvguard.lab.replay import tiering
 
     if installed_vllm_version() is not None:
         pytest.skip("vLLM is installed here: tests/vllm/test_tiering.py covers the release")

@@ -1,4 +1,4 @@
-"""The lab's binding rules without vLLM (guards/replay/vllm_api.py; issue 20 items 2, 3).
+"""The lab's binding rules without vLLM (lab/replay/vllm_api.py; issue 20 items 2, 3).
 
 ``build_struct`` on stand-in dataclasses shaped like vLLM's structs across releases,
 ``gpu_side`` on both GPU-side layouts, and what counts as the lab's own failure. The same
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvguard.guards.replay import harness, vllm_api
-from kvguard.guards.replay.vllm_api import GPUSide, HarnessError, build_struct, gpu_side
+from kvguard.lab.replay import harness, vllm_api
+from kvguard.lab.replay.vllm_api import GPUSide, HarnessError, build_struct, gpu_side
 
 
 @dataclasses.dataclass
@@ -176,7 +176,7 @@ def test_the_planted_fault_is_guard_code_not_the_lab():
     # the planted fault stands in for a bug in runtime.check: its frame is kvguard's guard
     # code (a kvguard bug, exit 1), never the lab's own failure (exit 2). Measured in CI on
     # 0.33.0 (stop 24): with plant.py counted as lab the planted run exited 2.
-    from kvguard.guards.fuzz import classes, plant
+    from kvguard.lab.fuzz import classes, plant
 
     assert classes.in_lab(harness.__file__) and classes.in_lab(classes.__file__)
     assert not classes.in_lab(plant.__file__)
@@ -191,7 +191,7 @@ def test_a_store_may_copy_the_null_block_a_load_may_not():
     # vLLM 0.34.0's store builder keeps null pages inside a chunk as placeholders (measured:
     # kvguard fuzz --guard seed 0 on 0.34.0 flagged such a store as an inconsistent spec, a
     # false kvguard bug); a load into the null block stays inconsistent
-    from kvguard.guards.replay.worker import SpecRecord
+    from kvguard.lab.replay.worker import SpecRecord
 
     store = SpecRecord(1, "r", True, group_sizes=[2, 2], block_indices=[0, 0], block_ids=[0, 5, 6, 7])
     load = dataclasses.replace(store, is_store=False)

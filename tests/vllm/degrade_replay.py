@@ -59,8 +59,8 @@ def plant(victim: str) -> str:
 
 def replay(trace, guard: bool) -> dict:
     from kvguard.guards import events
-    from kvguard.guards.replay.harness import build_engine, install_guard, run_replay
-    from kvguard.guards.replay.report import to_json
+    from kvguard.lab.replay.harness import build_engine, install_guard, run_replay
+    from kvguard.lab.replay.report import to_json
 
     if guard:
         # as in EngineCore (and harness.run_replay without an engine): the plugin is
@@ -135,7 +135,7 @@ def _violations() -> list[list]:
 def main() -> None:
     import os
 
-    from kvguard.guards.replay.trace import load_trace
+    from kvguard.lab.replay.trace import load_trace
 
     os.environ.pop("KVGUARD_STATE_DIR", None)
 

@@ -67,7 +67,7 @@ def offload_status(cs: Any, request: Any) -> Any:
 def expressible(trace: Any) -> bool:
     """Whether the installed release can build the engine ``trace``'s geometry asks for (the
     harness's own probes raise ``RuntimeError`` for one it cannot express)."""
-    from kvguard.guards.replay import harness
+    from kvguard.lab.replay import harness
 
     try:
         engine = harness.build_engine(trace.geometry, trace.worker)

@@ -2,7 +2,7 @@
 
 Most expectations of the vLLM tests are computed from what the installed release's code
 says (the window bound it asserts, whether its worker asserts a transfer's success:
-:mod:`kvguard.guards.vllm_source`, :mod:`kvguard.guards.replay.vllm_api`). What cannot be
+:mod:`kvguard.guards.vllm_source`, :mod:`kvguard.lab.replay.vllm_api`). What cannot be
 read, only measured, lives in one file, ``tests/vllm/release_facts.csv``: one row per
 release and fact (``release,fact,value,measured``; ``value`` is JSON). A release without a
 row for a fact fails :func:`fact` and ``test_release_facts.py`` with one message naming

@@ -29,8 +29,8 @@ from guardtools_vllm import offload_status, plant_in_cpu_tier
 
 from kvguard.guards import admission
 from kvguard.guards.load_coverage import load_set
-from kvguard.guards.replay import harness, vllm_api
-from kvguard.guards.replay.trace import Geometry
+from kvguard.lab.replay import harness, vllm_api
+from kvguard.lab.replay.trace import Geometry
 
 pytestmark = pytest.mark.vllm
 

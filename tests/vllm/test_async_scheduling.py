@@ -3,7 +3,7 @@ batch queue of depth 2 (marker vllm).
 
 ``geometry.async_scheduling`` makes the harness build the class vLLM's
 ``SchedulerConfig.get_scheduler_cls()`` gives for async scheduling and step it as
-``EngineCore.step_with_batch_queue`` does (guards/replay/batch_queue.py): step N+1 is
+``EngineCore.step_with_batch_queue`` does (lab/replay/batch_queue.py): step N+1 is
 scheduled before step N's output reaches ``update_from_output``. Asserted here: the seed
 traces finish with no wrong KV under that lag, the lag is real (counters that are 0 on
 the synchronous path), the generated tokens are the same as synchronously (the worker's
@@ -23,9 +23,9 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from kvguard.guards.fuzz import runner, strategies  # noqa: E402
-from kvguard.guards.replay import batch_queue, harness, report  # noqa: E402
-from kvguard.guards.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
+from kvguard.lab.fuzz import runner, strategies  # noqa: E402
+from kvguard.lab.replay import batch_queue, harness, report  # noqa: E402
+from kvguard.lab.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
 
 SEED_TRACES = ("seed-48959", "seed-42945", "load-evicted-window")
 

@@ -27,8 +27,8 @@ from guardtools_vllm import expressible
 from release_facts import fact
 
 from kvguard.guards import events, names
-from kvguard.guards.replay import harness
-from kvguard.guards.replay.trace import load_trace
+from kvguard.lab.replay import harness
+from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.guards.replay import harness, vllm_api, tiering
-from kvguard.guards.replay.trace import Geometry
+from kvguard.lab.replay import harness, vllm_api, tiering
+from kvguard.lab.replay.trace import Geometry
 
 pytestmark = pytest.mark.vllm
 

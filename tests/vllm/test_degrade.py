@@ -96,8 +96,8 @@ def _run_here(trace: str) -> dict:
     ``RESULT`` line does."""
     import degrade_replay  # tests/vllm, beside this module
 
-    from kvguard.guards.replay.harness import uninstall_guard
-    from kvguard.guards.replay.trace import load_trace
+    from kvguard.lab.replay.harness import uninstall_guard
+    from kvguard.lab.replay.trace import load_trace
 
     def counts() -> dict[tuple[str, str], float]:
         return {(check, action): value for check, action, value in degrade_replay._violations()}

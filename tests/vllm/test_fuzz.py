@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvguard.guards.fuzz import determinism, plant, runner
+from kvguard.lab.fuzz import determinism, plant, runner
 from kvguard.guards.instrumentor import installed_vllm_version
-from kvguard.guards.replay import harness
-from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
+from kvguard.lab.replay import harness
+from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -84,7 +84,7 @@ def search_021(tmp_path_factory):
         pytest.skip(f"the unhinted #42945 search runs on vLLM 0.21.0 only (CI budget); installed {VERSION}")
     out = tmp_path_factory.mktemp("fuzz021")
     # In this pytest process, after other vLLM test modules: the generator is pinned
-    # (guards/fuzz/determinism.py), so this is the run an operator gets from the console
+    # (lab/fuzz/determinism.py), so this is the run an operator gets from the console
     # script in a fresh process (test_fuzz_is_deterministic_inside_a_used_process).
     # Seed 14: with the pinned generator, 24 of seeds 0-24 at 300 examples find #42945 (not 3);
     # seeds 1, 14, 19 and 24 also find the #43884 class (seed 14: 7 examples, the most).
@@ -140,7 +140,7 @@ def test_fuzz_is_deterministic_inside_a_used_process(tmp_path, monkeypatch):
     Root cause of the drift seen before (docs/fuzz.md, Determinism): Hypothesis draws
     some values from the literals of every local module imported so far, and which of
     kvguard's modules a process has imported depends on what it ran before. The fuzzer
-    pins that pool empty (guards/fuzz/determinism.py). In between: another seed with the
+    pins that pool empty (lab/fuzz/determinism.py). In between: another seed with the
     guard on, a new local module full of integer literals imported (as another test
     module importing kvguard.sidecar.* did), the global ``random`` state moved.
     PYTHONHASHSEED is set so that vLLM's ``init_none_hash`` gives every engine the same
@@ -247,7 +247,7 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path, seed, no_lost_requests):
     examples (109-115) to vLLM's tiering stall (docs/fuzz.md "A second tiering stall");
     before ``store_coverage`` the same kind of run served wrong KV on 0.25.1-0.29.0 (the
     stale-id zeroing class, tests/vllm/test_wrong_kv_classes.py)."""
-    from kvguard.guards.fuzz import strategies
+    from kvguard.lab.fuzz import strategies
 
     lost: dict[int, int] = {}
     seen = {"requests_lost": 0}
@@ -308,7 +308,7 @@ def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
     assert r["planted_fault"] == "check"
     assert code == 1 and r["kvguard_bugs"] >= 1 and r["kvguard_deaths"] >= 1
     (c,) = [c for c in r["classes"] if c["class"].startswith("kvguard-raised PlantedFault")]
-    assert c["class"] == "kvguard-raised PlantedFault in guards/fuzz/plant.py:planted_check"
+    assert c["class"] == "kvguard-raised PlantedFault in lab/fuzz/plant.py:planted_check"
     assert c["kvguard_bug"] is True and c["reproduces"] is True
     assert "innermost frame in kvguard" in c["kvguard_bug_reasons"][0]
     assert "raised" in c["kvguard_did"]
@@ -322,14 +322,14 @@ def test_run_example_replays_with_the_traces_worker_model():
     """The fuzzer explores with the worker model it drew (the same one ``kvguard replay
     --trace`` uses): a trace whose worker fails its first store reports that failed job,
     and where the release's worker asserts a transfer's success
-    (:func:`~kvguard.guards.replay.vllm_api.failed_transfer_assert`, 0.21.0-0.33.0) it dies
+    (:func:`~kvguard.lab.replay.vllm_api.failed_transfer_assert`, 0.21.0-0.33.0) it dies
     in vLLM's worker-role ``get_finished``, while the same trace with the immediate worker
     finishes. Before the fix the runner built every engine with the immediate worker, so
     both outcomes were the second."""
     import dataclasses
 
-    from kvguard.guards.replay import report, vllm_api
-    from kvguard.guards.replay.jobs import WorkerModel
+    from kvguard.lab.replay import report, vllm_api
+    from kvguard.lab.replay.jobs import WorkerModel
 
     geo = Geometry(tokens_per_block=8, tokens_per_chunk=8, sliding_window=248, num_gpu_blocks=133,
                    cpu_chunks=66, max_num_batched_tokens=128, max_num_seqs=4, max_model_len=256)

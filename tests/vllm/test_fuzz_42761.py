@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.guards.fuzz import runner
+from kvguard.lab.fuzz import runner
 from release_facts import fact
-from kvguard.guards.replay.trace import load_trace
+from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 

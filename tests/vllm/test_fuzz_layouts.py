@@ -26,9 +26,9 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, Phase, find, settings
 
-from kvguard.guards.fuzz import runner, strategies
-from kvguard.guards.replay import vllm_api
-from kvguard.guards.replay.trace import Trace, load_trace
+from kvguard.lab.fuzz import runner, strategies
+from kvguard.lab.replay import vllm_api
+from kvguard.lab.replay.trace import Trace, load_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -65,7 +65,7 @@ def _generated(predicate) -> Trace:
     imported) changes the examples, and a predicate found in one test order was not found
     in another (measured in a CI rehearsal on 0.29.0 and 0.33.0).
     """
-    from kvguard.guards.fuzz import determinism
+    from kvguard.lab.fuzz import determinism
 
     with determinism.pinned_constants():
         return find(

@@ -18,11 +18,11 @@ try:  # numpy comes with vLLM; the light env collects this module (then deselect
 except ImportError:  # pragma: no cover - light env only
     np = None
 
-from kvguard.guards.replay import harness, vllm_api, report
+from kvguard.lab.replay import harness, vllm_api, report
 if np is not None:
-    from kvguard.guards.replay.kv_oracle import GroupLayout, KVOracle
-from kvguard.guards.replay.trace import load_trace
-from kvguard.guards.replay.worker import FAULTS, SimulatedWorker
+    from kvguard.lab.replay.kv_oracle import GroupLayout, KVOracle
+from kvguard.lab.replay.trace import load_trace
+from kvguard.lab.replay.worker import FAULTS, SimulatedWorker
 
 pytestmark = pytest.mark.vllm
 
@@ -235,7 +235,7 @@ def test_a_gpu_prefix_hit_leaves_retained_blocks_null_and_no_attention_reads_the
     (indices 2..9) and leaves block 1 (positions 4..7) null although vLLM's
     ``get_num_skipped_tokens(40)`` = 5 keeps it. The step's first query (position 40)
     reads from 40 - 32 + 1 = 9; no speculative tokens are scheduled, so nothing reads block 1."""
-    from kvguard.guards.fuzz import strategies
+    from kvguard.lab.fuzz import strategies
 
     support = strategies.layout_support()
     for field in ("groups", "extra_retained_tokens"):

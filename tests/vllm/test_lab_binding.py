@@ -25,8 +25,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvguard.guards.replay import harness, report, vllm_api
-from kvguard.guards.replay.trace import load_trace
+from kvguard.lab.replay import harness, report, vllm_api
+from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -110,7 +110,7 @@ def test_a_required_field_the_lab_cannot_fill_is_a_harness_error(monkeypatch):
     assert "kvguard_test_required" in result.harness_error["expected"]
     assert result.engine_survived is True and result.error is None and not result.ok
 
-    from kvguard.guards.replay.command import replay
+    from kvguard.lab.replay.command import replay
 
     cli = CliRunner().invoke(replay, ["--json", "--trace", TRACE])
     assert cli.exit_code == 2, cli.output[-2000:]
@@ -122,7 +122,7 @@ def test_a_required_field_the_lab_cannot_fill_is_a_harness_error(monkeypatch):
 def test_the_fuzzer_stops_at_the_first_harness_error(monkeypatch, tmp_path):
     import vllm.v1.outputs as outputs
 
-    from kvguard.guards.fuzz import runner
+    from kvguard.lab.fuzz import runner
 
     monkeypatch.setattr(outputs, "ModelRunnerOutput", _copy(add_required="kvguard_test_required"))
     r = runner.fuzz(seed=0, examples=30, guard=True, out_dir=tmp_path, shrink_replays=0)

@@ -27,8 +27,8 @@ from guardtools_vllm import plant_in_cpu_tier
 
 from kvguard.guards import admission
 from kvguard.guards.load_coverage import GroupGeometry, load_set
-from kvguard.guards.replay import harness, vllm_api
-from kvguard.guards.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
+from kvguard.lab.replay import harness, vllm_api
+from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
 
 pytestmark = pytest.mark.vllm
 

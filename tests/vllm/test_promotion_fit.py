@@ -11,7 +11,7 @@ and answers what is ready in the CPU tier (here 0: vLLM recomputes), so every re
 finishes with the right KV and the same tokens as a run without the secondary tier.
 
 Whether the release has vLLM's tiering is detected from its code
-(:func:`kvguard.guards.replay.tiering.unsupported_reason`): measured present on 0.25.1
+(:func:`kvguard.lab.replay.tiering.unsupported_reason`): measured present on 0.25.1
 and 0.33.0, absent on 0.21.0 (every test here skips there, with that reason).
 
 Run: ``.venvs/vllm-0.33.0/bin/pytest -m vllm tests/vllm/test_promotion_fit.py``
@@ -27,8 +27,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from kvguard.guards import admission, events, names  # noqa: E402
-from kvguard.guards.replay import harness, tiering  # noqa: E402
-from kvguard.guards.replay.trace import load_trace  # noqa: E402
+from kvguard.lab.replay import harness, tiering  # noqa: E402
+from kvguard.lab.replay.trace import load_trace  # noqa: E402
 
 TRACES = Path(__file__).parent / "traces"
 LOOP = load_trace(str(TRACES / "tiering-promotion-loop.jsonl"))

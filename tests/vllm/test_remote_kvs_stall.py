@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from release_facts import fact
 
-from kvguard.guards.replay import harness
-from kvguard.guards.replay.trace import load_trace
+from kvguard.lab.replay import harness
+from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 

@@ -92,7 +92,7 @@ def test_scope_by_role_on_the_installed_release(installed):
     function agree with the role set computed here from the files."""
     import importlib
 
-    from kvguard.guards.release_matrix import release_row
+    from kvguard.lab.release_matrix import release_row
     from kvguard.guards.sites import worker_by_name
     from kvguard.guards.vllm_source import installed_package_sources
 

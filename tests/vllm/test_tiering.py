@@ -18,9 +18,9 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from kvguard.guards.fuzz import determinism, strategies  # noqa: E402
-from kvguard.guards.replay import harness, report, tiering  # noqa: E402
-from kvguard.guards.replay.trace import load_trace  # noqa: E402
+from kvguard.lab.fuzz import determinism, strategies  # noqa: E402
+from kvguard.lab.replay import harness, report, tiering  # noqa: E402
+from kvguard.lab.replay.trace import load_trace  # noqa: E402
 
 TRACE = load_trace(str(Path(__file__).parent / "traces" / "secondary-tier.jsonl"))
 WHY = tiering.unsupported_reason()

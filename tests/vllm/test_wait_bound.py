@@ -21,8 +21,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from kvguard.guards import names  # noqa: E402
-from kvguard.guards.replay import harness, report  # noqa: E402
-from kvguard.guards.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
+from kvguard.lab.replay import harness, report  # noqa: E402
+from kvguard.lab.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
 from guardtools_vllm import expressible  # noqa: E402
 from release_facts import fact  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The replay's worker model and stall detector on the real vLLM scheduler (marker vllm).
 
 The worker side is vLLM's own worker-role ``OffloadingConnector`` over the simulated copy
-engine (guards/replay/worker.py); the timing and faults come from the trace's ``worker``
-object (guards/replay/jobs.py). Outcomes asserted here hold on every full release; where
+engine (lab/replay/worker.py); the timing and faults come from the trace's ``worker``
+object (lab/replay/jobs.py). Outcomes asserted here hold on every full release; where
 a release decides differently (a failed transfer), the expectation is read from its code.
 
 Run: ``KVGUARD_EXPECT_VLLM=0.33.0 .venvs/vllm-0.33.0/bin/pytest -m vllm tests/vllm/test_worker_model.py``
@@ -18,9 +18,9 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from kvguard.guards.replay import harness, report, vllm_api  # noqa: E402
-from kvguard.guards.replay.jobs import WorkerModel  # noqa: E402
-from kvguard.guards.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
+from kvguard.lab.replay import harness, report, vllm_api  # noqa: E402
+from kvguard.lab.replay.jobs import WorkerModel  # noqa: E402
+from kvguard.lab.replay.trace import Trace, load_trace, parse_trace  # noqa: E402
 
 def _small(worker: dict | None = None, gpu: int = 96, reqs: list[dict] | None = None) -> Trace:
     """r0 is stored, a filler evicts it from the GPU, r1 (r0's prompt + 64) loads it back."""
@@ -113,7 +113,7 @@ def test_a_failed_transfer(fault: str, guard: bool) -> None:
     """What a failed transfer costs is the release's own decision, read from its code.
 
     Where the connector worker asserts ``transfer_result.success``
-    (:func:`~kvguard.guards.replay.vllm_api.failed_transfer_assert`; 0.21.0-0.33.0, "we
+    (:func:`~kvguard.lab.replay.vllm_api.failed_transfer_assert`; 0.21.0-0.33.0, "we
     currently do not support job failures") the worker, and EngineCore, dies at that
     assert: no recompute, no failed request. Where it reports the job failed instead
     (0.34.0), the engine stays up: a failed store leaves its chunks unloadable, so the

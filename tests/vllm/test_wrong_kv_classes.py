@@ -26,8 +26,8 @@ from guardtools_vllm import expressible
 from release_facts import fact
 
 from kvguard.guards import events, names
-from kvguard.guards.replay import harness
-from kvguard.guards.replay.trace import load_trace
+from kvguard.lab.replay import harness
+from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -93,7 +93,7 @@ def test_fuzz_writes_an_upstream_report_beside_the_trace(tmp_path: Path) -> None
     invariant that sees it under ``observe`` (``store_coverage``, with what a fix must
     guarantee and the public references) and the replay commands. Where vLLM alone serves no
     wrong KV with the trace, no report is written (a guarded-only class is a kvguard bug)."""
-    from kvguard.guards.fuzz import runner
+    from kvguard.lab.fuzz import runner
 
     trace = load_trace(str(TRACES / CASES[0][0]))
     want = fact(CASES[0][1])

@@ -17,14 +17,14 @@ preempted or a block with a pending store is reallocated.
 Only the copy engine below it is simulated: :class:`SimulatedTransfers` is the object the
 release's offloading spec would hand its connector worker (``get_worker``, or one handler
 per direction from ``get_handlers`` on 0.21), handed over by
-:class:`kvguard.guards.replay.vllm_api.WorkerConnector` (the rule of what is simulated is
-written in :mod:`kvguard.guards.replay.vllm_api`). vLLM's ``register_kv_caches`` runs on
+:class:`kvguard.lab.replay.vllm_api.WorkerConnector` (the rule of what is simulated is
+written in :mod:`kvguard.lab.replay.vllm_api`). vLLM's ``register_kv_caches`` runs on
 host tensors the lab lays out as the ``KVCacheConfig`` declares, so whatever vLLM's
 worker does before a copy (0.34.0 resolves each GPU block to a device pointer,
 ``vllm/v1/kv_offload/pointer_utils.py``) runs as vLLM's code; the copy engine reads the GPU
-side it receives by its declared fields (:func:`~kvguard.guards.replay.vllm_api.gpu_side`).
+side it receives by its declared fields (:func:`~kvguard.lab.replay.vllm_api.gpu_side`).
 When each job finishes and whether it succeeds is the
-:class:`~kvguard.guards.replay.jobs.JobQueue` of the trace's worker model (latency in
+:class:`~kvguard.lab.replay.jobs.JobQueue` of the trace's worker model (latency in
 steps, out-of-order completion, failed and hung jobs). A failed job is returned as
 ``TransferResult(success=False)`` and the release's own ``get_finished`` decides what
 follows: measured on 0.21.0 and 0.33.0, ``assert transfer_result.success`` ("we currently
@@ -36,7 +36,7 @@ Besides that:
 - every scheduled request whose prompt is fully computed after the step samples one
   token, chosen deterministically from (request id, output index) so traces replay the
   same way every time;
-- the KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) follows the KV each
+- the KV-content oracle (:mod:`kvguard.lab.replay.kv_oracle`) follows the KV each
   GPU block and CPU chunk holds: a store copies when vLLM's worker *submits* it (at the
   start of the step after the one that scheduled it, ``prepare_store_kv``), a load copies
   when it *completes* successfully (a failed load copies nothing); then every scheduled
@@ -54,7 +54,7 @@ trace): ``SimulatedWorker(fault=...)`` or ``worker.fault = ...`` before the repl
 block gets a neighbouring chunk's KV).
 
 The ``TransferJob`` layout differs between releases: ``transfer_spec=(src, dst)`` in
-vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on (:func:`~kvguard.guards.replay.vllm_api.job_specs`).
+vLLM 0.21.0, ``src_spec`` / ``dst_spec`` from 0.23 on (:func:`~kvguard.lab.replay.vllm_api.job_specs`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvguard.guards.replay import vllm_api
-from kvguard.guards.replay.jobs import JobQueue, PendingJob, WorkerModel
+from kvguard.lab.replay import vllm_api
+from kvguard.lab.replay.jobs import JobQueue, PendingJob, WorkerModel
 
 if TYPE_CHECKING:
-    from kvguard.guards.replay.kv_oracle import KVOracle
+    from kvguard.lab.replay.kv_oracle import KVOracle
 
 #: Test-only worker faults (module docstring).
 FAULTS = ("load_copies_nothing", "load_wrong_chunk")
@@ -139,11 +139,11 @@ class SimulatedTransfers:
     The ``OffloadingWorker`` API vLLM's connector worker calls (0.25+:
     ``submit_load(job_id, src_spec, dst_spec, expedited=False)``, ``submit_store(job_id,
     src_spec, dst_spec)``; on 0.21.0 two per-direction handlers over it,
-    :class:`~kvguard.guards.replay.vllm_api.WorkerConnector`), ``get_finished()`` (a list of
+    :class:`~kvguard.lab.replay.vllm_api.WorkerConnector`), ``get_finished()`` (a list of
     the release's ``TransferResult``), ``wait(job_ids)`` and ``shutdown()``; ``bind`` keeps
     the ``CanonicalKVCaches`` vLLM's registration built (device pointers are read against
     it). The GPU side of a job is what vLLM hands over: a ``GPULoadStoreSpec``, or device
-    pointers on 0.34.0 (:func:`~kvguard.guards.replay.vllm_api.gpu_side`).
+    pointers on 0.34.0 (:func:`~kvguard.lab.replay.vllm_api.gpu_side`).
     Raises :class:`WorkerHang` from ``wait`` on a job the model never completes.
     """
 
@@ -212,7 +212,7 @@ class SimulatedWorker:
     inconsistent_specs: list[dict[str, Any]] = field(default_factory=list)
     jobs_completed: int = 0
     #: per job, the GPU side as the copy engine received it from vLLM's worker code
-    #: (:class:`~kvguard.guards.replay.vllm_api.GPUSide`, GPU block ids)
+    #: (:class:`~kvguard.lab.replay.vllm_api.GPUSide`, GPU block ids)
     copy_engine_jobs: dict[int, Any] = field(default_factory=dict)
     #: engine steps executed so far (the job queue's clock)
     step: int = 0
@@ -227,7 +227,7 @@ class SimulatedWorker:
             raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.oracle is None and self.blocks_per_chunk is not None:
             # numpy (the oracle's storage) comes with vLLM; the light env imports this module
-            from kvguard.guards.replay.kv_oracle import (
+            from kvguard.lab.replay.kv_oracle import (
                 KVOracle,
                 layouts_from_kv_cache_config,
                 offload_group_ids,
@@ -256,7 +256,7 @@ class SimulatedWorker:
     # -- the worker-role connector -------------------------------------------------
     def connector(self) -> "vllm_api.WorkerConnector":
         """vLLM's ``OffloadingConnector`` in the worker role over :class:`SimulatedTransfers`
-        (built on first use; raises :class:`~kvguard.guards.replay.vllm_api.HarnessError`
+        (built on first use; raises :class:`~kvguard.lab.replay.vllm_api.HarnessError`
         when the lab cannot hand it the copy engine)."""
         if self._connector is None:
             self._connector = vllm_api.WorkerConnector(self.scheduler, SimulatedTransfers(self))
@@ -337,7 +337,7 @@ class SimulatedWorker:
 
         Raises :class:`WorkerHang` when vLLM's worker would block forever, whatever
         vLLM's worker code raises (a failed transfer on 0.21.0-0.33.0: ``AssertionError``),
-        and :class:`~kvguard.guards.replay.vllm_api.HarnessError` when the lab cannot
+        and :class:`~kvguard.lab.replay.vllm_api.HarnessError` when the lab cannot
         drive the release's worker.
         """
         self.queue.step = self.step

@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvguard.guards.replay.command import policy_option
+from kvguard.lab.replay.command import policy_option
 
 
 @click.command(name="fuzz")
@@ -71,7 +71,7 @@ def fuzz(
         raise click.UsageError("give --budget-s or --examples, not both")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from kvguard.guards.fuzz import plant, report, runner
+    from kvguard.lab.fuzz import plant, report, runner
     from kvguard.guards.instrumentor import installed_vllm_version
 
     if installed_vllm_version() is None:
@@ -106,6 +106,6 @@ def fuzz(
         lab = result["harness_error"]
         click.echo(f"kvguard fuzz: harness error at example {lab['example']}: {lab['exception']} "
                    f"(expected {lab['expected']}); the lab cannot drive this vLLM release, so no "
-                   "example is a finding (guards/replay/vllm_api.py)", err=True)
+                   "example is a finding (lab/replay/vllm_api.py)", err=True)
         sys.exit(2)
     sys.exit(1 if result["kvguard_bugs"] else 0)

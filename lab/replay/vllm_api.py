@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.guards.replay.trace import Geometry
+from kvguard.lab.replay.trace import Geometry
 
 
 class HarnessError(RuntimeError):
@@ -125,7 +125,7 @@ def build_struct(cls: type, values: dict[str, Any], neutral: dict[str, Any] | No
             if name not in neutral:
                 raise HarnessError(
                     f"{cls.__module__}.{cls.__qualname__} requires field {name!r}, which the lab "
-                    "cannot fill (guards/replay/vllm_api.py)",
+                    "cannot fill (lab/replay/vllm_api.py)",
                     expected=f"{cls.__qualname__}.{name} with a default, or a value the lab knows",
                 )
             kwargs[name] = neutral[name]
@@ -300,7 +300,7 @@ def cpu_bytes_to_use(geometry: Geometry, page: int) -> int:
     (4-token blocks, one block per chunk) got half of ``cpu_chunks`` on 0.33.0, and 0
     chunks for ``cpu_chunks`` 1 (with tiering, vLLM then fails to map an empty region).
     """
-    from kvguard.guards.replay.tiering import SPEC_NAME as TIERING_SPEC_NAME
+    from kvguard.lab.replay.tiering import SPEC_NAME as TIERING_SPEC_NAME
 
     groups = len(geometry.kv_groups())
     per_block = page if "shared_by" in tensor_fields() else groups * page
@@ -501,10 +501,10 @@ def build_scheduler(geometry: Geometry) -> SchedulerParts:
     ``async_scheduling``. Raises whatever vLLM raises for a geometry it rejects (e.g. a
     chunk size that is not a multiple of the GPU block size), ``RuntimeError`` for a
     geometry this release cannot express, and
-    :class:`~kvguard.guards.replay.tiering.TieringUnsupported` (a ``RuntimeError``) for
+    :class:`~kvguard.lab.replay.tiering.TieringUnsupported` (a ``RuntimeError``) for
     ``geometry.secondary_tiers`` on a release without vLLM's tiering.
     """
-    from kvguard.guards.replay import batch_queue, tiering
+    from kvguard.lab.replay import batch_queue, tiering
 
     tier_config = tiering.extra_config(geometry.secondary_tiers)
     route_vllm_logs_to_stderr()
@@ -809,7 +809,7 @@ def host_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
 
 
 class CopyEngine:
-    """What the lab's copy engine must provide; :class:`kvguard.guards.replay.worker.SimulatedTransfers` is it.
+    """What the lab's copy engine must provide; :class:`kvguard.lab.replay.worker.SimulatedTransfers` is it.
 
     ``submit_store(job_id, gpu, dst)`` / ``submit_load(job_id, src, gpu)`` take vLLM's
     GPU side as handed (see :func:`gpu_side`); ``get_finished()``, ``wait(job_ids)``,

@@ -49,7 +49,7 @@ KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 #: The lab inside it (the replay harness and this fuzzer): a frame there is never the guard's.
 LAB_DIRS = tuple(os.path.join(KVGUARD_DIR, d) + os.sep for d in ("replay", "fuzz"))
 #: The one file under the lab that stands in for guard code: the planted fault
-#: (:mod:`kvguard.guards.fuzz.plant`) is what a bug in ``runtime.check`` would raise, so its
+#: (:mod:`kvguard.lab.fuzz.plant`) is what a bug in ``runtime.check`` would raise, so its
 #: frame counts as the guard's (a kvguard bug), never as the lab's own failure.
 PLANT_FILE = os.path.join(KVGUARD_DIR, "fuzz", "plant.py")
 
@@ -190,7 +190,7 @@ class ExampleOutcome:
     error: str | None = None
     error_site: str | None = None
     invalid: str | None = None
-    #: the lab itself failed (:func:`kvguard.guards.replay.harness.harness_error_of`):
+    #: the lab itself failed (:func:`kvguard.lab.replay.harness.harness_error_of`):
     #: ``{"exception", "traceback", "expected"}``; not a finding, the run stops
     harness_error: dict[str, str] | None = None
     #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
@@ -228,7 +228,7 @@ def _wrong_kv(result: Any) -> int:
 
 
 def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -> ExampleOutcome:
-    """The :class:`ExampleOutcome` of one :class:`~kvguard.guards.replay.harness.ReplayResult`.
+    """The :class:`ExampleOutcome` of one :class:`~kvguard.lab.replay.harness.ReplayResult`.
 
     ``frames``: the traceback of the exception that ended the replay (None when it
     survived or none was captured); ``actions``: kvguard's decisions in this replay

@@ -6,7 +6,7 @@ the sdist is fetched once (cached) and only the offload packages' ``.py`` files 
 :func:`kvguard.guards.sites.worker_side_modules`, the same rule the live install applies);
 only the in-scope ones are discovered and rewritten.
 
-``python -m kvguard.guards.release_matrix [VERSION ...]`` prints the table (Markdown);
+``python -m kvguard.lab.release_matrix [VERSION ...]`` prints the table (Markdown);
 ``--json`` prints one object per release.
 """
 

@@ -53,9 +53,9 @@ Optional geometry fields (omitted, the layout is the two groups above):
   "TieringOffloadingSpec"``: vLLM's ``TieringOffloadingManager`` over the CPU tier
   (``cpu_chunks``) plus one secondary tier per entry. The only ``type`` is ``"example"``,
   vLLM's in-memory ``ExampleSecondaryTierManager`` (unbounded; it holds presence, the
-  KV-content oracle holds the data: :mod:`kvguard.guards.replay.tiering`). A release
+  KV-content oracle holds the data: :mod:`kvguard.lab.replay.tiering`). A release
   without vLLM's tiering package (0.21.0, measured) raises
-  :class:`~kvguard.guards.replay.tiering.TieringUnsupported` (a ``RuntimeError``) naming
+  :class:`~kvguard.lab.replay.tiering.TieringUnsupported` (a ``RuntimeError``) naming
   the field, the release and the reason.
 
 Optional geometry field ``async_scheduling`` (bool, default false; vLLM's
@@ -64,12 +64,12 @@ scheduler class vLLM's ``SchedulerConfig.get_scheduler_cls()`` gives for it (the
 ``AsyncScheduler``) and steps it as ``EngineCore.step_with_batch_queue`` does with a batch
 queue of depth 2: step N+1 is scheduled and handed to the worker before step N's output
 reaches ``update_from_output`` (output placeholders, ``num_output_placeholders``;
-:mod:`kvguard.guards.replay.batch_queue`). A release whose code lacks what that needs
+:mod:`kvguard.lab.replay.batch_queue`). A release whose code lacks what that needs
 (``AsyncScheduler``, the config field, output placeholders) raises ``RuntimeError``
 naming the field and release, as ``groups`` does where a release cannot express it.
 
 Optional header object ``worker``: the simulated worker's transfer timing and faults
-(:class:`kvguard.guards.replay.jobs.WorkerModel`; absent = every job completes,
+(:class:`kvguard.lab.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
 
     "worker": {"load_latency_steps": {"min": 0, "max": 4}, "store_latency_steps": 2,
@@ -135,10 +135,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from kvguard.guards.replay.jobs import WorkerModel, WorkerModelError
+from kvguard.lab.replay.jobs import WorkerModel, WorkerModelError
 
 FORMAT = "kvguard-replay/1"
-#: Built-in trace names -> file names under guards/replay/traces/.
+#: Built-in trace names -> file names under lab/replay/traces/.
 BUILTIN_TRACES: dict[str, str] = {
     "seed-48959": "seed-48959.jsonl",
     "seed-42945": "seed-42945.jsonl",
@@ -274,7 +274,7 @@ class Geometry:
             if not self.groups:
                 raise TraceError("geometry.groups must list at least one group")
         if self.secondary_tiers is not None:
-            from kvguard.guards.replay.tiering import validate_tiers
+            from kvguard.lab.replay.tiering import validate_tiers
 
             try:
                 validate_tiers([{"type": t} for t in self.secondary_tiers])
@@ -454,7 +454,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         tpb = geo.get("tokens_per_block", Geometry.tokens_per_block)
         geo["groups"] = tuple(_parse_group(g, i, tpb) for i, g in enumerate(groups))
     if "secondary_tiers" in geo:
-        from kvguard.guards.replay.tiering import validate_tiers
+        from kvguard.lab.replay.tiering import validate_tiers
 
         try:
             geo["secondary_tiers"] = validate_tiers(geo["secondary_tiers"])
@@ -487,7 +487,7 @@ def load_trace(name_or_path: str) -> Trace:
     Raises :class:`TraceError` for an unknown name, a missing file or a malformed trace.
     """
     if name_or_path in BUILTIN_TRACES:
-        ref = resources.files("kvguard.guards.replay").joinpath("traces", BUILTIN_TRACES[name_or_path])
+        ref = resources.files("kvguard.lab.replay").joinpath("traces", BUILTIN_TRACES[name_or_path])
         return parse_trace(ref.read_text(encoding="utf-8").splitlines(), source=name_or_path)
     path = Path(name_or_path)
     if not path.is_file():

@@ -1,7 +1,7 @@
 """Run fuzz examples on the installed vLLM's real scheduler, group, shrink and report.
 
-One example = one generated :class:`~kvguard.guards.replay.trace.Trace` replayed by
-:func:`kvguard.guards.replay.harness.run_replay` on a freshly built engine (the real
+One example = one generated :class:`~kvguard.lab.replay.trace.Trace` replayed by
+:func:`kvguard.lab.replay.harness.run_replay` on a freshly built engine (the real
 ``Scheduler`` + ``OffloadingConnector`` in the scheduler role, simulated GPU worker).
 An engine is never reused: a replay leaves requests, prefix-cache and CPU-tier state
 behind, and every example has its own geometry. Building one costs about 10 ms once vLLM
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvguard.guards.fuzz import classes as cls
-from kvguard.guards.fuzz.classes import ExampleOutcome
-from kvguard.guards.fuzz.determinism import PINNED, pinned_constants
-from kvguard.guards.fuzz.shrink import shrink, size
-from kvguard.guards.replay.trace import Trace
+from kvguard.lab.fuzz import classes as cls
+from kvguard.lab.fuzz.classes import ExampleOutcome
+from kvguard.lab.fuzz.determinism import PINNED, pinned_constants
+from kvguard.lab.fuzz.shrink import shrink, size
+from kvguard.lab.replay.trace import Trace
 
 #: Replays one class may spend on shrinking (default of ``--shrink-replays``).
 SHRINK_REPLAYS = 120
@@ -153,7 +153,7 @@ class _Capture:
 
 def prepare(guard: bool, policy: str) -> None:
     """Install (or remove) the guard before any engine is built, as the plugin would."""
-    from kvguard.guards.replay import harness, vllm_api
+    from kvguard.lab.replay import harness, vllm_api
 
     vllm_api.route_vllm_logs_to_stderr()
     if guard:
@@ -172,8 +172,8 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
     Never raises for what the engine does; a geometry vLLM rejects at build time is an
     outcome with ``invalid`` set (not a finding: vLLM refuses it at start-up).
     """
-    from kvguard.guards.fuzz.plant import planted
-    from kvguard.guards.replay import harness
+    from kvguard.lab.fuzz.plant import planted
+    from kvguard.lab.replay import harness
 
     try:
         engine = harness.build_engine(trace.geometry, trace.worker)
@@ -267,7 +267,7 @@ def _upstream_report(kind: str, name: str, path: Path, minimal: Trace, version: 
     replay shows wrong-KV blocks gets a report: a wrong-KV class seen only with the guard on
     is a kvguard bug, reported as such.
     """
-    from kvguard.guards.fuzz import upstream
+    from kvguard.lab.fuzz import upstream
 
     if kind != cls.KIND_WRONG_KV:
         return None
@@ -332,7 +332,7 @@ def not_generated(
     worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
 ) -> list[dict[str, str]]:
     """Fields of the fuzz specification the fuzzer does not generate on this checkout/release, with the reason."""
-    from kvguard.guards.fuzz import strategies
+    from kvguard.lab.fuzz import strategies
 
     return strategies.not_generated(worker_model, async_scheduling, kv_layouts)
 
@@ -353,7 +353,7 @@ def explorer(
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
 
-    from kvguard.guards.fuzz import strategies
+    from kvguard.lab.fuzz import strategies
 
     def wrap(body: Callable[[Trace], None]) -> Callable[[], None]:
         return hseed(seed)(
@@ -388,7 +388,7 @@ def generate(
     """
     import contextlib
 
-    from kvguard.guards.fuzz import strategies
+    from kvguard.lab.fuzz import strategies
 
     if kv_layouts:
         strategies.layout_support()  # probed before the draws, as in :func:`fuzz`
@@ -432,9 +432,9 @@ def fuzz(
     release expresses them (:func:`.strategies.kv_cache_layout`; default; False:
     ``--default-layout``, full attention + one sliding window).
     """
-    from kvguard.guards.fuzz import strategies
-    from kvguard.guards.replay import harness
-    from kvguard.guards.replay.trace import load_trace
+    from kvguard.lab.fuzz import strategies
+    from kvguard.lab.replay import harness
+    from kvguard.lab.replay.trace import load_trace
 
     version = harness.vllm_version()
     if examples is None and budget_s is None:

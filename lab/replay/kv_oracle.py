@@ -62,7 +62,7 @@ job latency calls the same hooks at other times; each hook is self-contained):
   "NOTE(orozery)" in 0.21.0 and 0.33.0), i.e. after this step's forward and before the
   next step's loads: the simulated worker calls it after :meth:`computed_range`.
 
-Secondary tier (trace ``geometry.secondary_tiers``, :mod:`kvguard.guards.replay.tiering`):
+Secondary tier (trace ``geometry.secondary_tiers``, :mod:`kvguard.lab.replay.tiering`):
 vLLM's example tier keeps only the presence of an offload key, so the oracle keeps the
 data: :meth:`secondary_store` (at the tier's ``submit_store``, a cascade of CPU slot ``c``
 for key ``k``) copies slot ``c``'s fingerprints, every group's, under ``(tier, k)``;

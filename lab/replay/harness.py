@@ -10,12 +10,12 @@ What is real and what is simulated:
   ``VllmConfig`` built from a tiny local ``config.json`` (no hub, ``skip_tokenizer_init``);
   with a trace's ``geometry.secondary_tiers``, vLLM's ``TieringOffloadingSpec`` instead:
   its ``TieringOffloadingManager`` over the same CPU tier plus vLLM's in-memory example
-  secondary tier (:mod:`kvguard.guards.replay.tiering`);
-- simulated: the GPU side (:class:`kvguard.guards.replay.worker.SimulatedWorker`): the
+  secondary tier (:mod:`kvguard.lab.replay.tiering`);
+- simulated: the GPU side (:class:`kvguard.lab.replay.worker.SimulatedWorker`): the
   copy engine below vLLM's worker-side connector and the model forward.
 
 What the lab knows about vLLM's internal types and call order lives in
-:mod:`kvguard.guards.replay.vllm_api` (the rule of what is simulated is written there);
+:mod:`kvguard.lab.replay.vllm_api` (the rule of what is simulated is written there);
 this module is the replay loop.
 
 The guard is installed through the plugin's own entry point,
@@ -26,12 +26,12 @@ An exception escaping ``schedule()`` or ``update_from_output()`` is what kills
 EngineCore in a server (vLLM #48966); the replay records it as the engine's death and
 stops; so is an exception from vLLM's worker-side connector code (the worker process
 dies, and EngineCore with it). An exception of the lab itself is not a death
-(:func:`harness_error_of`): a :class:`~kvguard.guards.replay.vllm_api.HarnessError`, or
+(:func:`harness_error_of`): a :class:`~kvguard.lab.replay.vllm_api.HarnessError`, or
 one whose innermost frame is the lab's code (``guards/replay``, ``guards/fuzz``: a vLLM
 API the lab expected is not there), ends the replay with ``ReplayResult.harness_error``
 (``kvguard replay`` exits 2). A replay whose requests stop making progress for
 :data:`STALL_STEPS` steps (a request deferred forever) stops as stalled, and
-:class:`~kvguard.guards.replay.stalls.StallWatch` names each unfinished request's stall
+:class:`~kvguard.lab.replay.stalls.StallWatch` names each unfinished request's stall
 (``ReplayResult.stalls``). Once every request has finished, the replay keeps stepping
 (at most :data:`STALL_STEPS` steps) while the worker still has jobs to submit or
 complete, as EngineCore keeps stepping while the connector has pending work.
@@ -39,7 +39,7 @@ complete, as EngineCore keeps stepping while the connector has pending work.
 With ``geometry.async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` (the class
 ``SchedulerConfig.get_scheduler_cls()`` gives) and each step follows vLLM 0.33.0's
 ``EngineCore.step_with_batch_queue`` with a batch queue of 2
-(:mod:`kvguard.guards.replay.batch_queue`): ``schedule()``, the worker runs the step,
+(:mod:`kvguard.lab.replay.batch_queue`): ``schedule()``, the worker runs the step,
 and only when the queue is full is the oldest step's output given to
 ``update_from_output``; without it, ``EngineCore.step``'s order (schedule, execute,
 update, every step).
@@ -56,14 +56,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvguard.guards.fuzz import classes as fuzz_classes
-from kvguard.guards.replay import batch_queue, vllm_api
-from kvguard.guards.replay.jobs import WorkerModel
-from kvguard.guards.replay.stalls import StallWatch
-from kvguard.guards.replay.tiering import TierTap, tiering_manager, unlink_shared_region
-from kvguard.guards.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
-from kvguard.guards.replay.vllm_api import HarnessError, vllm_version
-from kvguard.guards.replay.worker import SimulatedWorker, WorkerHang
+from kvguard.lab.fuzz import classes as fuzz_classes
+from kvguard.lab.replay import batch_queue, vllm_api
+from kvguard.lab.replay.jobs import WorkerModel
+from kvguard.lab.replay.stalls import StallWatch
+from kvguard.lab.replay.tiering import TierTap, tiering_manager, unlink_shared_region
+from kvguard.lab.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
+from kvguard.lab.replay.vllm_api import HarnessError, vllm_version
+from kvguard.lab.replay.worker import SimulatedWorker, WorkerHang
 
 __all__ = ["STALL_STEPS", "MAX_STEPS", "ReplayResult", "Engine", "HarnessError", "build_engine",
            "run_replay", "install_guard", "uninstall_guard", "vllm_version", "harness_error_of"]
@@ -210,13 +210,13 @@ class Engine:
 
 def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
     """Construct the real ``Scheduler`` + ``OffloadingConnector`` for ``geometry`` and the
-    simulated worker (:func:`kvguard.guards.replay.vllm_api.build_scheduler` builds vLLM's part).
+    simulated worker (:func:`kvguard.lab.replay.vllm_api.build_scheduler` builds vLLM's part).
 
     ``worker_model`` is the simulated worker's timing and faults (default: every job
     completes, successfully, in the step it is submitted).
 
     Raises whatever vLLM raises for a geometry it rejects, ``RuntimeError`` for a geometry
-    the release cannot express (and :class:`~kvguard.guards.replay.tiering.TieringUnsupported`),
+    the release cannot express (and :class:`~kvguard.lab.replay.tiering.TieringUnsupported`),
     and :class:`HarnessError` when the lab cannot bind to the installed vLLM.
     """
     parts = vllm_api.build_scheduler(geometry)
@@ -401,7 +401,7 @@ def harness_error_of(exc: BaseException) -> dict[str, str] | None:
 
     The lab failed when ``exc`` is a :class:`HarnessError` (``expected`` is the vLLM API
     it names) or when the innermost frame of its traceback is the lab's code
-    (:func:`~kvguard.guards.fuzz.classes.in_lab`: a call into vLLM that the installed release does not accept, such as
+    (:func:`~kvguard.lab.fuzz.classes.in_lab`: a call into vLLM that the installed release does not accept, such as
     a struct field it removed, fails in the caller's frame); ``expected`` then names
     that frame. An exception raised inside vLLM's code or kvguard's guard code is not
     one: that is the engine's death (or a kvguard bug).

@@ -7,7 +7,7 @@ from typing import IO, Any
 
 
 class Progress:
-    """Callable for :func:`kvguard.guards.fuzz.runner.fuzz`'s ``progress``.
+    """Callable for :func:`kvguard.lab.fuzz.runner.fuzz`'s ``progress``.
 
     On a terminal: one ``\\r`` line rewritten at most 4 times a second. On anything else
     (a CI log, a pipe, a file) a whole line at most every ``log_interval_s`` seconds:
@@ -55,7 +55,7 @@ class Progress:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The final human table of a :func:`~kvguard.guards.fuzz.runner.fuzz` report."""
+    """The final human table of a :func:`~kvguard.lab.fuzz.runner.fuzz` report."""
     guard = f"guard on (policy {result['policy']})" if result["guard"] else "guard off"
     lines = [
         f"kvguard fuzz: vLLM {result['vllm_version']}, seed {result['seed']}, {guard}, "

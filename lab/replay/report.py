@@ -1,4 +1,4 @@
-"""Turn a :class:`~kvguard.guards.replay.harness.ReplayResult` into the ``--json`` object or a short text.
+"""Turn a :class:`~kvguard.lab.replay.harness.ReplayResult` into the ``--json`` object or a short text.
 
 The ``--json`` object (one line, one object, nothing else on stdout)::
 
@@ -34,17 +34,17 @@ The ``--json`` object (one line, one object, nothing else on stdout)::
 ``{"tiers", "cascaded_chunks", "promoted_chunks", "promoted_unknown"}``, offloaded chunks
 vLLM's tiering manager handed to the secondary tiers' ``submit_store`` (CPU -> tier) and
 ``submit_load`` (tier -> CPU), and promoted chunks the KV-content oracle had never seen
-cascaded (:mod:`kvguard.guards.replay.tiering`).
+cascaded (:mod:`kvguard.lab.replay.tiering`).
 
 ``wrong_kv_blocks`` counts distinct (request, KV cache group, block index) that the
-KV-content oracle (:mod:`kvguard.guards.replay.kv_oracle`) found holding KV other than the
+KV-content oracle (:mod:`kvguard.lab.replay.kv_oracle`) found holding KV other than the
 request's tokens at those positions when vLLM was about to read them; ``wrong_kv`` lists
 the first few (``request_id``, ``group``, ``block_index``, ``gpu_block_id``, ``what``:
 expected vs found positions, never token ids). ``kv_oracle`` is ``null`` when the worker
 ran without the oracle. ``error`` is ``"ExcType: message"`` (a bare ``assert`` reports its source text);
 ``harness_error`` is ``null``, or ``{"exception", "traceback", "expected"}`` when the lab itself
 could not drive the installed vLLM (a vLLM API it expected is not there,
-:func:`kvguard.guards.replay.harness.harness_error_of`): then nothing else in the report is a
+:func:`kvguard.lab.replay.harness.harness_error_of`): then nothing else in the report is a
 finding about vLLM or kvguard, and ``kvguard replay`` exits 2;
 ``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
 guard); ``guard_errors`` counts exceptions inside kvguard code per stage
@@ -63,8 +63,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard.guards.replay.harness import ReplayResult
-from kvguard.guards.replay.trace import Geometry
+from kvguard.lab.replay.harness import ReplayResult
+from kvguard.lab.replay.trace import Geometry
 
 SWA_GROUP = 1  # the sliding-window KV cache group (group 0 is full attention)
 
@@ -214,7 +214,7 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"  HARNESS ERROR after {report['steps']} steps (the lab, not vLLM or the guard): "
                      f"{lab['exception']}")
         lines.append(f"            expected: {lab['expected']}")
-        lines.append("            (kvguard's lab cannot drive this vLLM release: guards/replay/vllm_api.py)")
+        lines.append("            (kvguard's lab cannot drive this vLLM release: lab/replay/vllm_api.py)")
     elif report["engine_survived"]:
         state = "stalled (a request waits forever)" if report["stalled"] else "survived"
         aborted = f", {req['aborted']} aborted" if req.get("aborted") else ""

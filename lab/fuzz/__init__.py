@@ -1,6 +1,6 @@
 """``kvguard fuzz``: search vLLM's offload scheduler for crash, stall and wrong-KV classes.
 
-- :mod:`.strategies`: Hypothesis strategies that generate :class:`~kvguard.guards.replay.trace.Trace`
+- :mod:`.strategies`: Hypothesis strategies that generate :class:`~kvguard.lab.replay.trace.Trace`
   objects (geometry, traffic), named after vLLM's terms;
 - :mod:`.classes`: what a replay's outcome is (engine death, stall, wrong KV, kvguard action)
   and the stable class name of each finding;

@@ -1,6 +1,6 @@
 """Hypothesis strategies for ``kvguard fuzz``: geometries and traffic as replay traces.
 
-Everything here generates :class:`~kvguard.guards.replay.trace.Trace` objects (the format
+Everything here generates :class:`~kvguard.lab.replay.trace.Trace` objects (the format
 ``kvguard replay`` reads), so a finding is written with :meth:`Trace.dumps` and replays
 exactly. The names follow vLLM's terms:
 
@@ -26,7 +26,7 @@ exactly. The names follow vLLM's terms:
 - :func:`secondary_tiers`: vLLM's ``kv_connector_extra_config["secondary_tiers"]``, one
   or two of vLLM's in-memory example tiers below the CPU tier (``TieringOffloadingSpec``),
   drawn only where the installed release can run them
-  (:func:`kvguard.guards.replay.tiering.unsupported_reason`, detected from its code);
+  (:func:`kvguard.lab.replay.tiering.unsupported_reason`, detected from its code);
   elsewhere :func:`not_generated` lists the field with the release's reason.
 - :func:`traces`: a geometry and its traffic, one :class:`Trace`.
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from kvguard.guards.replay.trace import Geometry, GroupGeometry, Segment, Trace, TraceRequest
+from kvguard.lab.replay.trace import Geometry, GroupGeometry, Segment, Trace, TraceRequest
 
 #: GPU block sizes (tokens) the fuzzer draws from.
 TOKENS_PER_BLOCK = (4, 8, 16)
@@ -82,7 +82,7 @@ def min_gpu_blocks(tokens_per_block: int, sliding_window: int, max_model_len: in
     full count (the shape of vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``, the
     start-up check that the longest request fits). Plus vLLM's null block (id 0) and one
     block of slack. This is only the generator's floor: the runner applies the installed
-    release's own check (:func:`kvguard.guards.fuzz.runner.startup_refusal`) and counts a
+    release's own check (:func:`kvguard.lab.fuzz.runner.startup_refusal`) and counts a
     geometry it refuses as invalid, never as a finding.
     """
     return layout_min_gpu_blocks(
@@ -197,16 +197,16 @@ def layout_support() -> dict[str, str | None]:
     as the replay harness drives it, cannot express it, or None where it can.
 
     The harness's own checks, by feature detection (cached per process):
-    ``groups`` needs :func:`~kvguard.guards.replay.vllm_api.mixed_block_sizes_refusal`
+    ``groups`` needs :func:`~kvguard.lab.replay.vllm_api.mixed_block_sizes_refusal`
     to be None (groups of different ``tokens_per_block``), ``extra_retained_tokens``
-    :func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_refusal` (the field
-    exists) and :func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_setter`
+    :func:`~kvguard.lab.replay.vllm_api.extra_retained_tokens_refusal` (the field
+    exists) and :func:`~kvguard.lab.replay.vllm_api.extra_retained_tokens_setter`
     (the release's code that sets it gives every sliding-window layer one value, so the
     generator draws one value per example: :func:`kv_cache_layout`). Without vLLM (the
     light test env) neither is drawn.
     """
     try:
-        from kvguard.guards.replay import vllm_api
+        from kvguard.lab.replay import vllm_api
 
         vllm_api.vllm_version()
         extra = vllm_api.extra_retained_tokens_refusal()
@@ -239,7 +239,7 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
     builds it: its KV cache planning sets ``extra_retained_tokens =
     num_prefill_lookahead_tokens - 1`` (0.33.0; ``num_speculative_tokens - 1`` for
     multi-module MTP on 0.29.0) on every ``SlidingWindowSpec`` of the engine
-    (:func:`~kvguard.guards.replay.vllm_api.extra_retained_tokens_setter` finds that code;
+    (:func:`~kvguard.lab.replay.vllm_api.extra_retained_tokens_setter` finds that code;
     where it does not, the field is not drawn). Returns ``{}``,
     ``{"extra_retained_tokens": N}`` or ``{"groups": (GroupGeometry, ...)}``.
     """
@@ -383,7 +383,7 @@ def with_aborts(draw: st.DrawFn, requests: list[TraceRequest]) -> list[TraceRequ
 
 
 try:  # the worker model (header ``worker``) where this checkout's trace format has it
-    from kvguard.guards.replay.jobs import Faults, Latency, WorkerModel
+    from kvguard.lab.replay.jobs import Faults, Latency, WorkerModel
 except ImportError:  # pragma: no cover - older trace format
     WorkerModel = None  # type: ignore[assignment,misc]
 WORKER = WorkerModel is not None and "worker" in {f.name for f in dataclasses.fields(Trace)}
@@ -422,14 +422,14 @@ def worker(draw: st.DrawFn) -> "WorkerModel":
 def tiering_unsupported() -> str | None:
     """Why the installed vLLM cannot run ``geometry.secondary_tiers`` (``None``: it can).
 
-    :func:`kvguard.guards.replay.tiering.unsupported_reason`, asked once per process
+    :func:`kvguard.lab.replay.tiering.unsupported_reason`, asked once per process
     (the answer is the installed release's, so the generator stays deterministic for a
     seed and release). It imports vLLM's tiering modules, so it is asked when the first
     trace is drawn, after the fuzz runner installed the guard, not at import.
     """
     global _TIERING_WHY
     if _TIERING_WHY is None:
-        from kvguard.guards.replay.tiering import unsupported_reason
+        from kvguard.lab.replay.tiering import unsupported_reason
 
         _TIERING_WHY = (unsupported_reason(),)
     return _TIERING_WHY[0]
@@ -455,13 +455,13 @@ def secondary_tiers(draw: st.DrawFn) -> tuple[str, ...] | None:
 def async_scheduling_unsupported() -> str | None:
     """Why the installed vLLM's async scheduling cannot be replayed (None: it can).
 
-    :func:`kvguard.guards.replay.batch_queue.unsupported` (by class, config field and
+    :func:`kvguard.lab.replay.batch_queue.unsupported` (by class, config field and
     request attribute), computed once per process: the answer depends only on the
     installed release, so the examples of a seed stay the same for that release.
     """
     global _ASYNC_WHY
     if _ASYNC_WHY is _UNKNOWN:
-        from kvguard.guards.replay import batch_queue
+        from kvguard.lab.replay import batch_queue
 
         _ASYNC_WHY = batch_queue.unsupported()
     return _ASYNC_WHY  # type: ignore[return-value]
@@ -499,7 +499,7 @@ def traces(
         name=name,
         geometry=geo,
         requests=reqs,
-        description="generated by kvguard fuzz (guards/fuzz/strategies.py)",
+        description="generated by kvguard fuzz (lab/fuzz/strategies.py)",
         **extra,
     )
 

@@ -80,7 +80,7 @@ def render(*, class_name: str, trace_file: str, version: str, unguarded: Any, ob
            description: str) -> str:
     """The Markdown report for one wrong-KV class.
 
-    ``unguarded``: the :class:`~kvguard.guards.replay.harness.ReplayResult` of the minimal
+    ``unguarded``: the :class:`~kvguard.lab.replay.harness.ReplayResult` of the minimal
     trace with ``--no-guard``; ``observed``: the same trace under policy ``observe``.
     """
     oracle = getattr(getattr(unguarded, "worker", None), "oracle", None)

@@ -1,6 +1,6 @@
 """Shrink a trace to a minimal one that still shows the same finding class.
 
-Delta debugging over the :class:`~kvguard.guards.replay.trace.Trace` itself, not
+Delta debugging over the :class:`~kvguard.lab.replay.trace.Trace` itself, not
 Hypothesis' shrinker. Why:
 
 - it knows the trace's structure: removing a request removes the requests that wait for
@@ -32,7 +32,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from kvguard.guards.replay.trace import Segment, Trace, TraceRequest
+from kvguard.lab.replay.trace import Segment, Trace, TraceRequest
 
 
 def size(trace: Trace) -> tuple[int, int, int]:

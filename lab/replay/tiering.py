@@ -24,8 +24,8 @@ copies ``primary_kv_view[chunk_id]`` into its store at ``submit_store`` and back
 ``primary_kv_view[chunk_id]`` at ``submit_load``. :class:`TierTap` wraps each tier
 instance's ``submit_store`` / ``submit_load`` (instance attributes; vLLM's methods run
 unchanged) and does that copy on the KV-content oracle's fingerprints
-(:meth:`kvguard.guards.replay.kv_oracle.KVOracle.secondary_store` /
-:meth:`~kvguard.guards.replay.kv_oracle.KVOracle.secondary_load`), so a chunk promoted
+(:meth:`kvguard.lab.replay.kv_oracle.KVOracle.secondary_store` /
+:meth:`~kvguard.lab.replay.kv_oracle.KVOracle.secondary_load`), so a chunk promoted
 into a CPU slot that held other KV is checked against what was cascaded for its key.
 
 Feature detection (no version table): the release must have vLLM's tiering spec
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvguard.guards.replay.kv_oracle import KVOracle
+    from kvguard.lab.replay.kv_oracle import KVOracle
 
 #: The trace geometry field (vLLM's ``kv_connector_extra_config`` key).
 FIELD = "secondary_tiers"

@@ -6,7 +6,7 @@ request waited forever, a GPU block held wrong KV when vLLM read it, the trace c
 not be loaded, or its geometry cannot be expressed on the installed release); 2 when the
 lab itself could not drive the installed vLLM (``harness_error`` in the report: a vLLM API
 the lab expected is not there; never an engine death, never a finding).
-With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.guards.replay.report`);
+With ``--json`` stdout carries exactly one JSON object (see :mod:`kvguard.lab.replay.report`);
 vLLM's and kvguard's logs go to stderr.
 """
 
@@ -18,7 +18,7 @@ import sys
 
 import click
 
-from kvguard.guards.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
+from kvguard.lab.replay.trace import BUILTIN_TRACES, DEFAULT_TRACE
 
 #: ``--policy`` of ``kvguard replay`` and ``kvguard fuzz``: the guard policy (observe,
 #: guard, strict; default ``KVGUARD_POLICY`` or ``guard``), ignored with ``--no-guard``.
@@ -53,7 +53,7 @@ def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, 
     # vLLM reads these when it is first imported: keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from kvguard.guards.replay.trace import TraceError, load_trace
+    from kvguard.lab.replay.trace import TraceError, load_trace
 
     try:
         trace = load_trace(trace_ref)
@@ -67,7 +67,7 @@ def replay(trace_ref: str, no_guard: bool, policy: str, async_scheduling: bool, 
             trace, geometry=dataclasses.replace(trace.geometry, async_scheduling=True)
         )
 
-    from kvguard.guards.replay import harness, report
+    from kvguard.lab.replay import harness, report
 
     progress = None
     if not as_json:
