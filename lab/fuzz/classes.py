@@ -38,20 +38,24 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvguard.guards as _guards
+
 KIND_DEATH = "death"
 KIND_STALL = "stall"
 KIND_WRONG_KV = "wrong-kv"
 KIND_CHECK = "check"
 KIND_GUARD_ERROR = "guard-error"
 KIND_REQUEST_FAILED = "request-failed"
-#: Directory of kvguard's own code (the ``kvguard.guards`` package, editable or installed).
-KVGUARD_DIR = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
-#: The lab inside it (the replay harness and this fuzzer): a frame there is never the guard's.
-LAB_DIRS = tuple(os.path.join(KVGUARD_DIR, d) + os.sep for d in ("replay", "fuzz"))
+#: Directory of kvguard's guard code (the ``kvguard.guards`` package, editable or installed).
+KVGUARD_DIR = os.path.dirname(os.path.abspath(_guards.__file__))
+#: The lab (the replay harness and this fuzzer, the ``kvguard.lab`` package): a frame there is
+#: never the guard's.
+LAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAB_DIRS = (LAB_DIR + os.sep,)
 #: The one file under the lab that stands in for guard code: the planted fault
 #: (:mod:`kvguard.lab.fuzz.plant`) is what a bug in ``runtime.check`` would raise, so its
 #: frame counts as the guard's (a kvguard bug), never as the lab's own failure.
-PLANT_FILE = os.path.join(KVGUARD_DIR, "fuzz", "plant.py")
+PLANT_FILE = os.path.join(LAB_DIR, "fuzz", "plant.py")
 
 
 def in_lab(filename: str) -> bool:
@@ -86,7 +90,7 @@ class Frame:
         package outside the lab (:func:`in_lab`: the lab's own failure is a harness
         error, never a kvguard bug)."""
         path = os.path.abspath(self.filename)
-        return path.startswith(KVGUARD_DIR + os.sep) and not in_lab(path)
+        return (path.startswith(KVGUARD_DIR + os.sep) or path == PLANT_FILE) and not in_lab(path)
 
 
 def frames_of(exc: BaseException) -> list[Frame]:
@@ -116,7 +120,9 @@ def death_class(exc_type: str, frames: list[Frame]) -> tuple[str, bool]:
     """
     if frames and frames[-1].in_kvguard:
         f = frames[-1]
-        rel = "guards/" + os.path.relpath(os.path.abspath(f.filename), KVGUARD_DIR).replace(os.sep, "/")
+        path = os.path.abspath(f.filename)
+        base, top = (LAB_DIR, "lab/") if path == PLANT_FILE else (KVGUARD_DIR, "guards/")
+        rel = top + os.path.relpath(path, base).replace(os.sep, "/")
         return f"kvguard-raised {exc_type} in {rel}:{_qualname(f)}", True
     vllm_frames = [f for f in frames if f.vllm_path is not None]
     if not vllm_frames:

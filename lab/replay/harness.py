@@ -27,7 +27,7 @@ EngineCore in a server (vLLM #48966); the replay records it as the engine's deat
 stops; so is an exception from vLLM's worker-side connector code (the worker process
 dies, and EngineCore with it). An exception of the lab itself is not a death
 (:func:`harness_error_of`): a :class:`~kvguard.lab.replay.vllm_api.HarnessError`, or
-one whose innermost frame is the lab's code (``guards/replay``, ``guards/fuzz``: a vLLM
+one whose innermost frame is the lab's code (``lab/``: a vLLM
 API the lab expected is not there), ends the replay with ``ReplayResult.harness_error``
 (``kvguard replay`` exits 2). A replay whose requests stop making progress for
 :data:`STALL_STEPS` steps (a request deferred forever) stops as stalled, and
