@@ -37,3 +37,23 @@ def test_no_top_level_guards_or_sidecar_module():
 def test_geometry_command_imports_no_vllm():
     mods = imported_after("import kvguard.lab.geometry")
     assert "vllm" not in mods
+
+
+def test_nothing_the_engine_imports_is_the_lab():
+    """kvguard.guards is what runs inside vLLM; the replay and fuzz lab (kvguard.lab) never
+    loads there: no module of guards/ imports it, at module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    guards = Path(__file__).resolve().parents[2] / "guards"
+    offenders = []
+    for path in sorted(guards.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvguard.lab"):
+                offenders.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Import) and any(a.name.startswith("kvguard.lab") for a in node.names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.instrumentor, kvguard.guards.runtime, "
+                          "kvguard.guards.admission, kvguard.guards.wait_bound")
+    assert not {m for m in mods if m.startswith("kvguard.lab")}
