@@ -53,7 +53,7 @@ chunk loads one chunk more, to the left, that the lookup never looked up; 0.33.0
 the first window by ``load_window_size_in_chunks``), and a driven hit of the replay
 harness moves the load set left of the window the lookup confirmed.
 
-Where the check runs : in vLLM's own lookup. The instrumentor rewrites each
+Where the check runs: in vLLM's own lookup. The instrumentor rewrites each
 ``return <answer>`` of ``get_num_new_matched_tokens`` into ``return
 admit_return(self, request, num_computed_tokens, <answer>)`` (the ``admission_return``
 kind of :mod:`kvguard.guards.rewrite`, compiled with the function's other sites, vLLM's
@@ -72,7 +72,7 @@ of a deferred answer need the manager's per-key answers of that very call. In
 :func:`admit` the chunk bounds are computed inline, the plan is read off the scheduler's
 ``__dict__`` and the counters are incremented without a call.
 
-Kept verdicts : vLLM looks a waiting request up again on every step until its
+Kept verdicts: vLLM looks a waiting request up again on every step until its
 GPU blocks fit (the head of the queue: 1,424 of the 1,624 checked lookups of the bench
 trace on 0.33.0, 3 Dec 2026). A loadable verdict is kept per request with
 ``(epoch, the request's offload status object, num_computed_tokens, hit)`` and reused

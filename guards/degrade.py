@@ -77,13 +77,6 @@ def reset() -> None:
         _keep_status.clear()
 
 
-def find_scheduler(frame: FrameType | None, request_id: str) -> Any:
-    """The vLLM ``Scheduler`` among ``frame`` and its callers (at most 8 frames up): the
-    first ``self`` with ``finish_requests``, ``update_from_output`` and a ``requests``
-    dict holding ``request_id``; None when there is none."""
-    return _find_scheduler(frame, request_id)
-
-
 def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, error: str) -> bool:
     """Fail a request that is still waiting (never scheduled for compute since it began to
     wait) alone: at the next ``update_from_output`` of ``scheduler`` it is finished with
@@ -94,6 +87,13 @@ def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, erro
     (:mod:`kvguard.guards.wait_bound`). Returns False (nothing done) when either scheduler
     is None; never raises.
     """
+    return _register(scheduler, connector_scheduler, request_id, error, keep_status=True)
+
+
+def _register(scheduler: Any, connector_scheduler: Any, request_id: str, error: str, keep_status: bool) -> bool:
+    """Queue ``request_id`` of ``scheduler`` to be finished with ``FINISHED_ERROR`` at its next
+    ``update_from_output`` (wrapping it and ``connector_scheduler.build_connector_meta`` once);
+    False when either scheduler is None or kvguard failed (counted). Never raises."""
     from kvguard.guards import runtime
 
     try:
@@ -104,14 +104,18 @@ def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, erro
         with _lock:
             _pending.setdefault(id(scheduler), {})[request_id] = error
             _failed[request_id] = error
-            _keep_status.add(request_id)
+            if keep_status:
+                _keep_status.add(request_id)
         return True
     except Exception as exc:
         runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
         return False
 
 
-def _find_scheduler(frame: FrameType | None, request_id: str) -> Any:
+def find_scheduler(frame: FrameType | None, request_id: str) -> Any:
+    """The vLLM ``Scheduler`` among ``frame`` and its callers (at most :data:`_MAX_HOPS`
+    frames up): the first ``self`` with ``finish_requests``, ``update_from_output`` and a
+    ``requests`` dict holding ``request_id``; None when there is none."""
     for _ in range(_MAX_HOPS):
         if frame is None:
             return None
@@ -138,19 +142,12 @@ def register_failure(request_id: str, error: str, site_id: str, frame: FrameType
     from kvguard.guards import runtime
 
     try:
-        scheduler = _find_scheduler(frame.f_back, request_id)
+        scheduler = find_scheduler(frame.f_back, request_id)
         connector_scheduler = frame.f_locals.get("self")
-        if scheduler is None or connector_scheduler is None:
-            return False
-        _wrap_update_from_output(scheduler)
-        _wrap_build_connector_meta(connector_scheduler, scheduler)
-        with _lock:
-            _pending.setdefault(id(scheduler), {})[request_id] = error
-            _failed[request_id] = error
-        return True
     except Exception as exc:
         runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
         return False
+    return _register(scheduler, connector_scheduler, request_id, error, keep_status=False)
 
 
 def method_returned(request_id: str | None) -> None:

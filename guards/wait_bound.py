@@ -133,11 +133,9 @@ def configure(steps: int = names.DEFAULT_WAIT_BOUND_STEPS, seconds: float = name
               enabled: bool = True, metrics: Any = None, events: Any = None) -> None:
     """Set the bound (``steps`` observations >= 1 and ``seconds`` >= 0 without progress)
     and the sinks; ``enabled`` False turns the check off (kill switch)."""
-    global _steps, _seconds, _enabled, _metrics, _events
-    if int(steps) < 1 or float(seconds) < 0:
-        raise ValueError(f"wait bound needs steps >= 1 and seconds >= 0, got {steps}, {seconds}")
-    _steps, _seconds, _enabled = int(steps), float(seconds), bool(enabled)
-    _metrics, _events = metrics, events
+    global _enabled, _metrics, _events
+    set_bound(steps, seconds)
+    _enabled, _metrics, _events = bool(enabled), metrics, events
 
 
 def metrics_sink() -> Any:
@@ -163,16 +161,6 @@ def set_bound(steps: int | None = None, seconds: float | None = None) -> None:
         if float(seconds) < 0:
             raise ValueError(f"wait bound seconds must be >= 0, got {seconds}")
         _seconds = float(seconds)
-
-
-def enabled() -> bool:
-    """True while the check runs (not switched off by ``KVGUARD_DISABLED_SITES``)."""
-    return _enabled
-
-
-def bound() -> tuple[int, float]:
-    """``(steps, seconds)`` of the bound in force."""
-    return _steps, _seconds
 
 
 def reset() -> None:

@@ -1,4 +1,4 @@
-"""The source-only release matrix : for each vLLM release, from its own sources,
+"""The source-only release matrix: for each vLLM release, from its own sources,
 every assert in scope vs every assert kvguard's rewriter replaces, the special sites
 matched, and the window bound the release asserts for a geometry. No torch, no install:
 the sdist is fetched once (cached) and only the offload packages' ``.py`` files are read

@@ -269,7 +269,7 @@ class _HitRecorder:
     answer through, :func:`kvguard.guards.admission.unwrapped_lookup`), then the cap, then
     kvguard's admission check (:func:`kvguard.guards.admission.admit`, when the guard
     checks the lookup), so a driven hit passes the same check as any answer of vLLM's
-    lookup . With the guard, vLLM's lookup runs inside
+    lookup. With the guard, vLLM's lookup runs inside
     :func:`kvguard.guards.admission.record_lookup` (under vLLM's tiering it records the
     manager's per-chunk answers for the promotion-fit check of a deferred answer), as the
     guard's own recording wrapper does. The recorded ``external_hit_tokens`` is what the
