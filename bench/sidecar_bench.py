@@ -50,7 +50,7 @@ KVGUARD = str(BIN / "kvguard")
 WRITER = textwrap.dedent(
     """
     import sys
-    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.guards.telemetry.metrics import GuardMetrics
     from kvguard.guards import names
     m = GuardMetrics(sys.argv[1])
     i = int(sys.argv[2])
@@ -150,7 +150,7 @@ def collect_vs_bare(state: Path, n: int) -> dict:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from kvguard.guards.statefile import StateDir
+    from kvguard.guards.telemetry.statefile import StateDir
     from kvguard.sidecar.app import create_app
     from kvguard.sidecar.config import SidecarConfig
 

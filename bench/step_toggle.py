@@ -9,7 +9,7 @@ one process and one installed guard and switches a part of it on for every other
 
 - ``admission``: the connector scheduler's lookup with kvguard's admission check in its
   code or not (the instrumentor keeps both code objects: ``admission_codes``), and the
-  cache policy's removal counting (:mod:`kvguard.guards.tier_removals`) on or off with it:
+  cache policy's removal counting (:mod:`kvguard.guards.checks.tier_removals`) on or off with it:
   its counting wrappers are taken off the policy for an "off" step and put back after;
   if an entry the policy held before an "off" step is gone or replaced after it, the
   epoch is bumped (a kept verdict is then re-checked, as the counting would have made
@@ -29,7 +29,7 @@ median step (CPU time, ``time.thread_time``) on / off, the median of the per-ste
 ratios, and the ratio of the sums (all steps on / all steps off: the mean cost, where
 the work of the few steps with a store or a window check counts in full; the two
 medians barely see it); a part is read against the ``aa`` row of the same run. ``--admission call-only``
-makes :func:`~kvguard.guards.admission.admit_return` return vLLM's answer at once (what
+makes :func:`~kvguard.guards.checks.admission.admit_return` return vLLM's answer at once (what
 the call from vLLM's code costs alone). The bench needs the admission check in vLLM's
 code (the ``admission_return`` rewrite) and a lookup with no other site; it says so and
 exits 1 otherwise. ``--gc``: after the warm-up the start-up heap is frozen as vLLM's
@@ -64,7 +64,7 @@ class _Removals:
 
     @classmethod
     def of(cls, cs) -> "_Removals | None":
-        from kvguard.guards import admission, tier_removals
+        from kvguard.guards.checks import admission, tier_removals
 
         plan = cs.__dict__.get(admission._PLAN_ATTR)
         if plan is None or getattr(plan, "epoch", None) is None:
@@ -110,15 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-    from kvguard.guards import admission
-    from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+    from kvguard.guards.checks import admission
+    from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
     from kvguard.lab.replay import harness
 
     trace = generate_trace(args.agents, args.turns)
     if not harness.run_replay(trace, guard=True, policy="guard").ok:  # warm-up, installs the guard
         print("warm-up replay failed", file=sys.stderr)
         return 1
-    from kvguard.guards import wait_bound
+    from kvguard.guards.checks import wait_bound
 
     ended = {k: v for k, v in wait_bound.snapshot().items() if ":" in k}
     # a healthy trace: the wait bound must never end a wait here (no false alarm)

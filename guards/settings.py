@@ -14,7 +14,7 @@ variable                          field                    meaning
                                                            >= 1, default 32)
 ``KVGUARD_WAIT_BOUND_SECONDS``    ``wait_bound_seconds``   and seconds without progress (float
                                                            >= 0, default 30); both must pass
-                                                           (:mod:`kvguard.guards.wait_bound`)
+                                                           (:mod:`kvguard.guards.checks.wait_bound`)
 ================================  =======================  =====================================
 
 A bad value raises ``pydantic.ValidationError`` from :meth:`GuardSettings.from_env`;

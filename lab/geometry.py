@@ -7,7 +7,7 @@ incident's 98012 when one exists).
 
 The release's bound is read from its own code, never from a version table: its window
 assert is found by structure and its bound expression evaluated on the geometry
-(:func:`kvguard.guards.vllm_source.asserted_window_bound`), from the installed vLLM's files
+(:func:`kvguard.guards.hooking.vllm_source.asserted_window_bound`), from the installed vLLM's files
 or, with ``--vllm-version X`` for a release that is not installed, from X's sdist on the
 package index (cached in ``~/.cache/kvguard/sdists``).
 
@@ -23,8 +23,10 @@ import sys
 
 import click
 
-from kvguard.guards import invariants, vllm_source
-from kvguard.guards.instrumentor import installed_vllm_version
+from kvguard.guards.checks import invariants
+
+from kvguard.guards.hooking import vllm_source
+from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
 __all__ = ["check_geometry", "tripping_remainders", "EXIT_SAFE", "EXIT_WOULD_CRASH", "EXIT_BAD_ARGS"]
 
@@ -42,7 +44,7 @@ def tripping_remainders(
 
     For ``num_cached_tokens >= sliding_window + extra_retained`` the pending blocks of a
     load depend only on ``num_cached_tokens % tokens_per_block`` (brute force over one
-    block of counts with :func:`kvguard.guards.invariants.swa_pending_blocks`); below the window
+    block of counts with :func:`kvguard.guards.checks.invariants.swa_pending_blocks`); below the window
     they never exceed ``cdiv(sliding_window, tokens_per_block)``. Returns the smallest
     tripping count (0 if none) and the sorted tripping remainders.
     """

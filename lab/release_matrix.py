@@ -3,7 +3,7 @@ every assert in scope vs every assert kvguard's rewriter replaces, the special s
 matched, and the window bound the release asserts for a geometry. No torch, no install:
 the sdist is fetched once (cached) and only the offload packages' ``.py`` files are read
 (the worker modules' only for their imports: the scope rule's by-import part,
-:func:`kvguard.guards.sites.worker_side_modules`, the same rule the live install applies);
+:func:`kvguard.guards.hooking.sites.worker_side_modules`, the same rule the live install applies);
 only the in-scope ones are discovered and rewritten.
 
 ``python -m kvguard.lab.release_matrix [VERSION ...]`` prints the table (Markdown);
@@ -18,8 +18,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from kvguard.guards.rewrite import SiteSpec, find_function, rewrite_function
-from kvguard.guards.sites import (
+from kvguard.guards.hooking.rewrite import SiteSpec, find_function, rewrite_function
+from kvguard.guards.hooking.sites import (
     MEASURED_VLLM_RELEASES,
     SPECIAL_GROUP_SIZES,
     SPECIAL_STORE_DROP,
@@ -27,7 +27,7 @@ from kvguard.guards.sites import (
     discover,
     worker_by_name,
 )
-from kvguard.guards.vllm_source import (
+from kvguard.guards.hooking.vllm_source import (
     DEFAULT_CACHE,
     asserted_window_bound,
     fetch_sdist,
@@ -38,7 +38,7 @@ from kvguard.guards.vllm_source import (
 __all__ = ["RELEASES", "ReleaseRow", "release_row", "main"]
 
 #: The releases the matrix reads: every release kvguard declares measured
-#: (:data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES`, the one list; every published
+#: (:data:`kvguard.guards.hooking.sites.MEASURED_VLLM_RELEASES`, the one list; every published
 #: release from 0.21.0 to 0.34.0).
 RELEASES: tuple[str, ...] = MEASURED_VLLM_RELEASES
 #: The seed geometry of #48959: sliding window 4096 tokens, GPU block 32, chunk 256.
@@ -70,8 +70,8 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
     """Discover and rewrite every in-scope module of one release (compiled, never run).
 
     ``package_sources``: every module of the offload packages, worker modules included
-    (:func:`kvguard.guards.vllm_source.sdist_package_sources`): the scope rule is applied
-    here (:func:`kvguard.guards.vllm_source.offload_scope`), as the live install applies it."""
+    (:func:`kvguard.guards.hooking.vllm_source.sdist_package_sources`): the scope rule is applied
+    here (:func:`kvguard.guards.hooking.vllm_source.offload_scope`), as the live install applies it."""
     sources, worker_side = offload_scope(package_sources)
     row = ReleaseRow(version)
     row.worker_side_by_import = sorted(m for m in worker_side if not worker_by_name(m))

@@ -65,7 +65,7 @@ PLUGINS = ("vllm_suite_hybrid_kv", "vllm_suite_session")
 REPORT_ENV = "KVSUITE_REPORT"
 
 
-from kvguard.guards.vllm_source import (  # noqa: E402 - re-exported for the CLI and its tests
+from kvguard.guards.hooking.vllm_source import (  # noqa: E402 - re-exported for the CLI and its tests
     SourceError as SetupError,
     fetch_sdist,
     find_in_simple_page,
@@ -77,7 +77,7 @@ from kvguard.guards.vllm_source import (  # noqa: E402 - re-exported for the CLI
 # --------------------------------------------------------------------------- sdist
 
 
-# sdist fetching lives in kvguard.guards.vllm_source (one implementation for both).
+# sdist fetching lives in kvguard.guards.hooking.vllm_source (one implementation for both).
 
 
 def imported_test_modules(source: bytes, module: str, is_package: bool) -> set[str]:
@@ -515,7 +515,7 @@ def render(plain: Run, guarded: Run, p: dict[str, Result], g: dict[str, Result],
     for name, labels, value in rows:
         w(f"    {name}{{{labels}}} {value:g}")
     snapshot = (g_report or {}).get("snapshot")
-    w(f"  kvguard.guards.runtime.snapshot(): {'none' if snapshot is None else ''}")
+    w(f"  kvguard.guards.policy.runtime.snapshot(): {'none' if snapshot is None else ''}")
     for check, fields in sorted((snapshot or {}).items()):
         w(f"    {check}: " + ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))
     w()

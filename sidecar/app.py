@@ -55,7 +55,7 @@ from prometheus_client.core import Metric
 from pydantic import BaseModel
 
 from kvguard.guards import names
-from kvguard.guards.statefile import StateDir
+from kvguard.guards.telemetry.statefile import StateDir
 from kvguard.sidecar.collector import (
     ENGINE_FATAL,
     Families,

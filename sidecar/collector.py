@@ -25,7 +25,7 @@ Series served (besides whatever the engine plugin writes):
   ``increase()`` sees their first event.
 - ``kvguard_build_info{kvguard_version,vllm_version,vllm_support}``  gauge, always 1;
   ``vllm_support``: ``measured``, ``unmeasured`` or ``unknown``
-  (:func:`kvguard.guards.sites.vllm_support` of ``vllm_version``, )
+  (:func:`kvguard.guards.hooking.sites.vllm_support` of ``vllm_version``, )
 - ``kvguard_sidecar_errors_total{source,reason}``  counter: state-dir problems first met
 - ``kvguard_sidecar_unreadable{source,reason}``    gauge: state-dir paths unusable now
   (:mod:`kvguard.sidecar.problems`)
@@ -51,7 +51,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvguard.guards import names
-from kvguard.guards.statefile import FatalRecord, StateFileError, open_regular, os_error_reason
+from kvguard.guards.telemetry.statefile import FatalRecord, StateFileError, open_regular, os_error_reason
 from kvguard.sidecar.problems import SOURCES, Problem, series
 
 __all__ = [
@@ -450,7 +450,7 @@ def check_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
 
 def wait_counts(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
     """Waits the wait bound ended (or counted, under observe) from merged families:
-    ``{wait: {action: n}}`` of ``kvguard_wait_bound_exceeded_total`` (guards/wait_bound.py),
+    ``{wait: {action: n}}`` of ``kvguard_wait_bound_exceeded_total`` (guards/checks/wait_bound.py),
     only the non-zero series."""
     out: dict[str, dict[str, float]] = {}
     for fam in families:
@@ -551,7 +551,7 @@ class SidecarCollector(Collector):
         yield merge_fatal(self.engine_fatal, v.fatal_records)
         # stdlib-only (packaging is imported lazily by the function): the declared support
         # of the vLLM version served here, the plugin's own rule
-        from kvguard.guards.sites import vllm_support
+        from kvguard.guards.hooking.sites import vllm_support
 
         info = GaugeMetricFamily(
             "kvguard_build_info",

@@ -46,7 +46,7 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvguard.guards.statefile import FatalRecord
+from kvguard.guards.telemetry.statefile import FatalRecord
 from kvguard.sidecar.parts import PartDeath
 
 __all__ = [

@@ -64,7 +64,7 @@ import anyio.to_thread
 import httpx
 import structlog
 
-from kvguard.guards.statefile import (
+from kvguard.guards.telemetry.statefile import (
     RUN_FILE,
     FatalRecord,
     RunRecord,
@@ -136,7 +136,7 @@ class EngineSnapshot:
 @dataclass(frozen=True)
 class RunView:
     """What the tracker needs of ``kvguard run``'s ``run.json``
-    (:class:`kvguard.guards.statefile.RunRecord`): ``started`` (unix s), ``state``
+    (:class:`kvguard.guards.telemetry.statefile.RunRecord`): ``started`` (unix s), ``state``
     (``running``/``stopping``/``exited``), ``stop_requested``, ``death`` (the vLLM
     process ``kvguard run`` saw die, or ``None``)."""
 
@@ -252,7 +252,7 @@ class HealthPoller:
     cancelled; it never raises for network or state-dir errors (they go to ``problems``).
 
     The state dir is read in a worker thread (:func:`anyio.to_thread.run_sync`), never in
-    the event loop; every read is bounded (:func:`kvguard.guards.statefile.read_bounded`).
+    the event loop; every read is bounded (:func:`kvguard.guards.telemetry.statefile.read_bounded`).
     vLLM's ``/version`` is asked again each time the engine comes up (a restarted
     container may run another vLLM)."""
 

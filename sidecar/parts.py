@@ -29,7 +29,7 @@ in the container's PID 1 and reads ``/proc`` directly):
 
 A part's exit status belongs to its parent (the API server reaps it), so the death is
 described by name and pid, never by status. The pure pieces
-(:func:`kvguard.guards.statefile.process_name`, :func:`parse_stat`, :func:`descendants`) are tested on their own; the watch with real
+(:func:`kvguard.guards.telemetry.statefile.process_name`, :func:`parse_stat`, :func:`descendants`) are tested on their own; the watch with real
 processes titled as vLLM titles them.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvguard.guards.statefile import MAX_RUN_PARTS, VLLM_TITLE_PREFIX, VLLM_TITLE_PREFIX_ENV, process_name
+from kvguard.guards.telemetry.statefile import MAX_RUN_PARTS, VLLM_TITLE_PREFIX, VLLM_TITLE_PREFIX_ENV, process_name
 
 __all__ = [
     "SCAN_INTERVAL",
@@ -240,7 +240,7 @@ class PartWatch:
 
     def listing(self) -> list[dict[str, object]]:
         """The known parts for ``run.json`` and ``/status``: ``{"name", "pid", "parent"}``
-        by pid, at most :data:`kvguard.guards.statefile.MAX_RUN_PARTS`."""
+        by pid, at most :data:`kvguard.guards.telemetry.statefile.MAX_RUN_PARTS`."""
         return [
             {"name": p.name, "pid": p.pid, "parent": p.parent}
             for p in sorted(self.parts.values(), key=lambda p: p.pid)[:MAX_RUN_PARTS]

@@ -48,7 +48,7 @@ class SupervisorConfig:
     - ``grace``: seconds between the first forwarded stop signal and SIGKILL to the
       child's process group (default 30, 0..3600).
     - ``state_dir``: ``KVGUARD_STATE_DIR``; prepared at start (history kept, see
-      :meth:`kvguard.guards.statefile.StateDir.prepare_run`), ``run.json`` written, exported
+      :meth:`kvguard.guards.telemetry.statefile.StateDir.prepare_run`), ``run.json`` written, exported
       to the child. ``None`` disables fatal-record detection.
     - ``fatal_wait``: after the child exits 0 unrequested, seconds to wait for a fatal
       record to appear (an EngineCore may still be writing it), default 0.5 (0..60).

@@ -7,7 +7,7 @@ The loop, as tini's ``main``:
    subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) so orphaned grandchildren (an EngineCore
    whose API server was killed) are reparented to us and reaped; warn when neither PID 1
    nor a subreaper. Prepare the state dir (keep the newest fatal records and metrics
-   files of earlier starts: :meth:`kvguard.guards.statefile.StateDir.prepare_run`), write
+   files of earlier starts: :meth:`kvguard.guards.telemetry.statefile.StateDir.prepare_run`), write
    ``run.json`` (``running``, the start time) and export ``KVGUARD_STATE_DIR`` to the child.
 2. Spawn: ``os.posix_spawnp`` with the *original* signal mask, default dispositions for
    the forwarded signals, and a new process group (``setpgroup=0``). A failed exec is
@@ -33,7 +33,7 @@ The loop, as tini's ``main``:
    :func:`kvguard.sidecar.exitcode.decide_exit` picks the status, the cause goes to the
    termination log and ``run.json`` says ``exited``.
 
-``run.json`` (:class:`kvguard.guards.statefile.RunRecord`) tells the sidecar a new start
+``run.json`` (:class:`kvguard.guards.telemetry.statefile.RunRecord`) tells the sidecar a new start
 (fresh startup budget), a requested stop (``stopping``: the engine is ``stopped``, not
 ``dead``) and the end. Writing it never changes the exit status.
 
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvguard.guards.statefile import (
+from kvguard.guards.telemetry.statefile import (
     FatalRecord,
     RunRecord,
     StateDir,

@@ -1,4 +1,4 @@
-"""guards/statefile.py: the state-dir format (after client_python's tests/test_multiprocess.py).
+"""guards/telemetry/statefile.py: the state-dir format (after client_python's tests/test_multiprocess.py).
 
 A tmp dir per test; pids are injected (``StateDir(pid=...)``) instead of forking.
 """
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from kvguard.guards.statefile import (
+from kvguard.guards.telemetry.statefile import (
     MAX_MESSAGE_CHARS,
     MAX_RECORD_BYTES,
     FatalRecord,
@@ -132,7 +132,7 @@ def test_statefile_is_stdlib_only():
     import sys
     from pathlib import Path
 
-    import kvguard.guards.statefile as mod
+    import kvguard.guards.telemetry.statefile as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     imported = {
@@ -147,8 +147,8 @@ def test_statefile_is_stdlib_only():
 # --- issue 23 item 3: the reader accepts exactly what the writer can write -----------------
 
 from kvguard.guards import names  # noqa: E402
-from kvguard.guards import statefile  # noqa: E402
-from kvguard.guards.statefile import (  # noqa: E402
+from kvguard.guards.telemetry import statefile  # noqa: E402
+from kvguard.guards.telemetry.statefile import (  # noqa: E402
     MAX_CLOCK_STEP,
     MAX_LABEL_CHARS,
     RunRecord,
@@ -307,7 +307,7 @@ def test_own_process_name_in_a_process_titled_by_vllm(tmp_path):
 
     # argv[0] is the title, so Python cannot find its environment from it: add its site dir
     site_dir = sysconfig.get_paths()["purelib"]
-    code = (f"import site; site.addsitedir({site_dir!r}); from kvguard.guards.statefile import own_process_name as n; "
+    code = (f"import site; site.addsitedir({site_dir!r}); from kvguard.guards.telemetry.statefile import own_process_name as n; "
             "print(n(), n({'VLLM_PROCESS_NAME_PREFIX': 'X'}))")
     out = subprocess.run(["bash", "-c", 'exec -a VLLM::EngineCore_DP1 "$0" -c "$1"', sys.executable, code],
                          capture_output=True, text=True, check=True, timeout=60).stdout

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.guards import vllm_source
+from kvguard.guards.hooking import vllm_source
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,7 +37,7 @@ Around each step the wrap:
    switching work, outside the timed region; setting ``__code__`` also resets the
    function's call specialisation in both states alike): admission on = the lookup's code
    with the check, off = without it; code on = kvguard's code objects, off = vLLM's.
-   The cache policy's removal counting (``kvguard.guards.tier_removals``) stays on in
+   The cache policy's removal counting (``kvguard.guards.checks.tier_removals``) stays on in
    both states (the replay bench, ``bench/step_toggle.py``, switches it with the
    admission part). Parts other than the pair's stay on (production);
 4. times the step (``time.perf_counter`` and ``time.thread_time``) and, inside it, the
@@ -129,8 +129,9 @@ class _Bench:
 
         info: dict = {"kind": "setup", "ok": False, "pid": os.getpid()}
         try:
-            from kvguard.guards import admission, runtime
-            from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+            from kvguard.guards.checks import admission
+            from kvguard.guards.policy import runtime
+            from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 
             info["kvguard_file"] = sys.modules["kvguard.guards"].__file__
             info["engine_class"] = type(engine).__qualname__

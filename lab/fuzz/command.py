@@ -72,7 +72,7 @@ def fuzz(
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from kvguard.lab.fuzz import plant, report, runner
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     if installed_vllm_version() is None:
         click.echo("kvguard fuzz: vLLM is not installed: run it in a .venvs/vllm-* environment", err=True)

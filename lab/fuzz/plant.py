@@ -1,12 +1,12 @@
 """A planted kvguard fault, for tests only: proves the fuzz report can flag a kvguard bug.
 
 ``KVGUARD_TEST_PLANT_FAULT=check`` in the environment of ``kvguard fuzz`` (read only by
-the fuzz runner, never by the plugin or :mod:`kvguard.guards.runtime`) makes every call
+the fuzz runner, never by the plugin or :mod:`kvguard.guards.policy.runtime`) makes every call
 of kvguard's check entry point from rewritten vLLM code raise :class:`PlantedFault`
 instead of deciding: exactly what a bug inside ``runtime.check`` that escaped its own
 ``except`` would do. The runner applies it per example with :func:`planted` after the
 guard is installed, by replacing the ``@kvguard_check`` global that the instrumentor
-injected into each rewritten vLLM module (:data:`kvguard.guards.rewrite.GLOBAL_CHECK`),
+injected into each rewritten vLLM module (:data:`kvguard.guards.hooking.rewrite.GLOBAL_CHECK`),
 and restores it afterwards. The raising frame is in this module (kvguard code), so the
 death is classed ``kvguard-raised`` and flagged ``kvguard_bug``.
 
@@ -42,7 +42,7 @@ def requested() -> str | None:
 
 
 def planted_check(site_id: str, ok: bool, *args: Any, **kwargs: Any) -> None:
-    """Stand-in for :func:`kvguard.guards.runtime.check` that always raises."""
+    """Stand-in for :func:`kvguard.guards.policy.runtime.check` that always raises."""
     raise PlantedFault(f"kvguard test-only planted fault in check({site_id!r})")
 
 
@@ -56,7 +56,7 @@ def planted(kind: str | None) -> Iterator[int]:
     if kind is None:
         yield 0
         return
-    from kvguard.guards.rewrite import GLOBAL_CHECK
+    from kvguard.guards.hooking.rewrite import GLOBAL_CHECK
 
     patched: list[tuple[dict[str, Any], Any]] = []
     for mod in list(sys.modules.values()):

@@ -19,7 +19,7 @@ exploration after that many seconds, so how many examples run depends on the mac
 Each example's traceback is captured by wrapping the engine's ``schedule``,
 ``update_from_output`` and the worker's ``execute`` (instance attributes, vLLM code is
 not changed); kvguard's decisions are read by a tee on kvguard's metrics sink
-(:func:`kvguard.guards.runtime.configure`), one count per ``check:action``.
+(:func:`kvguard.guards.policy.runtime.configure`), one count per ``check:action``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def _tee() -> _ActionTee:
     failures) and the admission check's (``load_coverage``, ``promotion_fit``,
     ``promotion_progress``, configured apart by the instrumentor) and the wait bound's
     (``wait_bound``), into one ``counts``."""
-    from kvguard.guards import admission, runtime, wait_bound
+    from kvguard.guards.checks import admission, wait_bound
+    from kvguard.guards.policy import runtime
 
     current = runtime.configure()["metrics"]
     if isinstance(current, _ActionTee):
@@ -157,7 +158,7 @@ def prepare(guard: bool, policy: str) -> None:
 
     vllm_api.route_vllm_logs_to_stderr()
     if guard:
-        from kvguard.guards import runtime
+        from kvguard.guards.policy import runtime
 
         runtime.reset()
         harness.install_guard(policy)

@@ -26,7 +26,7 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
     names.CHECK_STORE_COVERAGE: (
         "a chunk an offload store publishes holds every GPU block it stands for, except blocks "
         "the request's KV cache manager skipped (below num_tokens - kept tokens); the copied "
-        "blocks of each KV cache group sit at their chunk places (guards/store_coverage.py)",
+        "blocks of each KV cache group sit at their chunk places (guards/checks/store_coverage.py)",
         "a chunk key is published only when every block of that chunk that the load path can "
         "place inside an attention's read range was copied; in particular the stale-id zeroing "
         "of `_update_req_states` must zero only ids the manager freed (remove_skipped_blocks), "
@@ -36,7 +36,7 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
     names.CHECK_LOAD_COVERAGE: (
         "the load a CPU hit admits covers, for every KV cache group, each GPU block the hit "
         "marks computed with a chunk the offload manager holds, at the chunk place the GPU "
-        "block allocation expects (guards/admission.py, guards/load_coverage.py)",
+        "block allocation expects (guards/checks/admission.py, guards/checks/load_coverage.py)",
         "a hit is admitted only for tokens whose every group's blocks are loaded from chunks "
         "that hold those positions",
         "vLLM issues #55712, #56709 (prepare_load on chunks the manager no longer holds)",
@@ -44,7 +44,7 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
     names.CHECK_COPY_COVERAGE: (
         "every GPU block a load writes comes from a chunk slot that a store copied from the GPU "
         "block the storing request's table held at that position (not the null block): the "
-        "copy ledger kept at the store site, read at admission (guards/copy_ledger.py)",
+        "copy ledger kept at the store site, read at admission (guards/checks/copy_ledger.py)",
         "a chunk key is published only when every sub-block that a hit ending at any of the "
         "chunk's boundaries would load inside the reader's read range was copied (or keys are "
         "made per boundary): the store's reachability mask must not judge by the storing "

@@ -161,28 +161,28 @@ def install_guard(policy: str) -> bool:
     repeated install keeps the first policy, as the plugin's does inside vLLM).
     """
     from kvguard.guards import plugin
-    from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+    from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
     from kvguard.guards.settings import GuardSettings
 
     os.environ.pop("KVGUARD_DISABLE", None)
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     inst = OffloadGuardInstrumentor()
     if inst.is_installed and runtime.policy() != policy:
         inst.uninstall()  # a guard installed earlier in this process keeps its policy otherwise
     settings = GuardSettings(policy=policy)
     installed = plugin.register(settings)
-    from kvguard.guards import wait_bound
+    from kvguard.guards.checks import wait_bound
 
-    # simulated time: the wait bound counts steps only (guards/wait_bound.py)
+    # simulated time: the wait bound counts steps only (guards/checks/wait_bound.py)
     wait_bound.set_bound(steps=settings.wait_bound_steps, seconds=0.0)
     return bool(installed) or OffloadGuardInstrumentor().is_installed
 
 
 def uninstall_guard() -> None:
     """Restore vLLM's original code if this process installed the guard (bench, tests)."""
-    if "kvguard.guards.instrumentor" in sys.modules:
-        from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+    if "kvguard.guards.hooking.instrumentor" in sys.modules:
+        from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 
         inst = OffloadGuardInstrumentor()
         if inst.is_installed:
@@ -259,25 +259,25 @@ class _HitRecorder:
 
     A request without a driven hit (every request of most traces) takes the scheduler's
     own call path: what ``cs.get_num_new_matched_tokens`` was before this recorder (a
-    wrapper the guard attached to this scheduler, :func:`kvguard.guards.admission.attach`,
+    wrapper the guard attached to this scheduler, :func:`kvguard.guards.checks.admission.attach`,
     or the class's method, bound per call as attribute access binds it: with the guard,
-    vLLM's code carrying the check, :func:`kvguard.guards.admission.admit_return`), so the
+    vLLM's code carrying the check, :func:`kvguard.guards.checks.admission.admit_return`), so the
     replay and the bench run kvguard's admission check exactly as EngineCore does. For a
     driven hit:
 
     Order: vLLM's own lookup (with the guard: its code with kvguard's check passing the
-    answer through, :func:`kvguard.guards.admission.unwrapped_lookup`), then the cap, then
-    kvguard's admission check (:func:`kvguard.guards.admission.admit`, when the guard
+    answer through, :func:`kvguard.guards.checks.admission.unwrapped_lookup`), then the cap, then
+    kvguard's admission check (:func:`kvguard.guards.checks.admission.admit`, when the guard
     checks the lookup), so a driven hit passes the same check as any answer of vLLM's
     lookup. With the guard, vLLM's lookup runs inside
-    :func:`kvguard.guards.admission.record_lookup` (under vLLM's tiering it records the
+    :func:`kvguard.guards.checks.admission.record_lookup` (under vLLM's tiering it records the
     manager's per-chunk answers for the promotion-fit check of a deferred answer), as the
     guard's own recording wrapper does. The recorded ``external_hit_tokens`` is what the
     scheduler finally received. This recorder changes nothing inside vLLM's code.
     """
 
     def __init__(self, connector_scheduler: Any, result: ReplayResult):
-        from kvguard.guards import admission
+        from kvguard.guards.checks import admission
 
         self._cs = connector_scheduler
         self._admission = admission
@@ -380,9 +380,9 @@ def _error_site(exc: BaseException) -> str | None:
 
 
 def _failure_error(request: Any) -> str:
-    """kvguard's error text for a request it failed (guards/degrade.py), else the status."""
+    """kvguard's error text for a request it failed (guards/policy/degrade.py), else the status."""
     try:
-        from kvguard.guards import degrade
+        from kvguard.guards.policy import degrade
 
         error = degrade.failed_requests().get(request.request_id)
     except Exception:
@@ -614,7 +614,8 @@ def run_replay(
     )
     previous_disable = os.environ.get("KVGUARD_DISABLE")
     if guard:
-        from kvguard.guards import admission, runtime, wait_bound
+        from kvguard.guards.checks import admission, wait_bound
+        from kvguard.guards.policy import runtime
 
         runtime.reset()  # before install: install-stage guard errors belong to this replay
         admission.reset()
@@ -682,11 +683,13 @@ def run_replay(
 def _guard_report(result: ReplayResult) -> None:
     """What the guard counted and installed during the replay (``checks``, ``guard_errors``,
     ``sites``, ``guard_installed``)."""
-    from kvguard.guards import admission, names, runtime, wait_bound
-    from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+    from kvguard.guards.checks import admission, wait_bound
+    from kvguard.guards import names
+    from kvguard.guards.policy import runtime
+    from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 
     result.checks = runtime.snapshot()
-    # the admission check keeps its own counts (kvguard.guards.admission.snapshot)
+    # the admission check keeps its own counts (kvguard.guards.checks.admission.snapshot)
     for check, counts in (
         (names.CHECK_LOAD_COVERAGE, admission.snapshot()),
         (names.CHECK_PROMOTION_FIT, admission.snapshot_promotion_fit()),

@@ -46,9 +46,9 @@ ran without the oracle. ``error`` is ``"ExcType: message"`` (a bare ``assert`` r
 could not drive the installed vLLM (a vLLM API it expected is not there,
 :func:`kvguard.lab.replay.harness.harness_error_of`): then nothing else in the report is a
 finding about vLLM or kvguard, and ``kvguard replay`` exits 2;
-``checks`` is :func:`kvguard.guards.runtime.snapshot` after the replay (empty without the
+``checks`` is :func:`kvguard.guards.policy.runtime.snapshot` after the replay (empty without the
 guard); ``guard_errors`` counts exceptions inside kvguard code per stage
-(:func:`kvguard.guards.runtime.guard_errors`; ``{}`` is the healthy value); ``sites`` is the
+(:func:`kvguard.guards.policy.runtime.guard_errors`; ``{}`` is the healthy value); ``sites`` is the
 instrumentor's report (sites installed from the installed vLLM's own source, asserts
 that could not be rewritten, disabled sites, special sites the release should have and
 that were not matched). ``guard_installed`` is true only when the guard really rewrote

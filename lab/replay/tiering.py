@@ -67,7 +67,7 @@ def unsupported_reason() -> str | None:
     import dataclasses
     import importlib.util
 
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     if installed_vllm_version() is None:  # distribution metadata, not an importable "vllm"
         return "vLLM is not installed"
@@ -139,7 +139,7 @@ def extra_config(tiers: tuple[str, ...] | None) -> dict[str, Any]:
         return {}
     why = unsupported_reason()
     if why is not None:
-        from kvguard.guards.instrumentor import installed_vllm_version
+        from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
         raise TieringUnsupported(
             f"vLLM {installed_vllm_version() or '(none)'}: a trace cannot set geometry.{FIELD} on this "

@@ -165,7 +165,7 @@ def vllm_version() -> str:
     Raises:
         RuntimeError: no vLLM is installed (kvguard replay needs a .venvs/vllm-* environment).
     """
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     version = installed_vllm_version()
     if version is None:
@@ -414,7 +414,7 @@ def _shared_retained_binding(func: Any) -> int | None:
     (:func:`extra_retained_tokens_setter`), or None."""
     import ast
 
-    from kvguard.guards.rewrite import keyword_argument_names
+    from kvguard.guards.hooking.rewrite import keyword_argument_names
 
     for loop in ast.walk(func):
         if not isinstance(loop, ast.For):
@@ -454,7 +454,7 @@ def blocks_per_chunk_refusal() -> str | None:
     offload module imported before the guard is installed would not be rewritten), cached
     per process.
     """
-    from kvguard.guards.vllm_source import installed_module_source
+    from kvguard.guards.hooking.vllm_source import installed_module_source
 
     source = installed_module_source("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config")
     if source is not None and '"blocks_per_chunk"' in source:

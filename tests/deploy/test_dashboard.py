@@ -177,20 +177,20 @@ def test_grid_positions_do_not_overlap():
 
 
 def test_every_kvguard_metric_used_is_in_a_real_sidecar_scrape(tmp_path):
-    """Write the engine side's metric files with the real exporter (kvguard.guards.metrics, as the
+    """Write the engine side's metric files with the real exporter (kvguard.guards.telemetry.metrics, as the
     plugin does inside EngineCore), serve them with the real sidecar app
     (kvguard.sidecar.app.create_app), scrape /metrics in process, and compare names: every kvguard_*
     series the dashboard or the alert rules name must be in the scrape."""
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.guards.telemetry.metrics import GuardMetrics
     from kvguard.sidecar.app import create_app
     from kvguard.sidecar.config import SidecarConfig
 
     import ast
 
-    from kvguard.guards import sites
+    from kvguard.guards.hooking import sites
 
     # a site as the instrumentor discovers it in an imported offload module
     found = sites.discover("vllm.v1.kv_offload.base", ast.parse("def f(n):\n    assert n\n"))

@@ -122,7 +122,7 @@ def test_death_in_kvguard_code_is_a_kvguard_class():
               Frame(classes.KVGUARD_DIR + "/runtime.py", "check", 250)]
     name, kv = classes.death_class("RuntimeError", frames)
     assert kv is True
-    assert name == "kvguard-raised RuntimeError in guards/runtime.py:check"
+    assert name == "kvguard-raised RuntimeError in guards/policy/runtime.py:check"
 
 
 def test_class_from_error_site_and_slug():
@@ -194,7 +194,7 @@ def test_shrinker_drops_the_secondary_tier_only_when_the_class_shows_without_it(
 def test_cli_refuses_both_budgets_and_needs_vllm(monkeypatch):
     from click.testing import CliRunner
 
-    from kvguard.guards import instrumentor
+    from kvguard.guards.hooking import instrumentor
     from kvguard.sidecar.cli import main
 
     res = CliRunner().invoke(main, ["fuzz", "--examples", "3", "--budget-s", "5"])

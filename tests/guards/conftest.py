@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvguard.guards import runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor
-from kvguard.guards.metrics import GuardMetrics
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.telemetry.metrics import GuardMetrics
 
 
 @pytest.fixture(autouse=True)

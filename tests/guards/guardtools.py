@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from kvguard.guards.rewrite import fingerprint_id
+from kvguard.guards.hooking.rewrite import fingerprint_id
 
 # The ids the special sites get where vLLM (and the stand-in of fakevllm.py) keeps them:
-# ``<module short>:<qualname>:<tag>`` (kvguard.guards.sites). Discovered, never listed.
+# ``<module short>:<qualname>:<tag>`` (kvguard.guards.hooking.sites). Discovered, never listed.
 SITE_SWA_PENDING_BOUND = "offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound"
 SITE_STORE_DROP = "offloading.scheduler:OffloadingConnectorScheduler._build_store_jobs:store_drop"
 SITE_GROUP_SIZES_SUM = f"kv_offload.base:GPULoadStoreSpec.__init__:{fingerprint_id('sum(group_sizes) == len(block_ids)')}"

@@ -13,8 +13,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvguard.guards import copy_ledger
-from kvguard.guards.copy_ledger import CopyLedger, chunk_masks, destination_chunks, first_uncopied_block
+from kvguard.guards.checks import copy_ledger
+from kvguard.guards.checks.copy_ledger import CopyLedger, chunk_masks, destination_chunks, first_uncopied_block
 
 
 def _slots_written(table, copied, first, bpc, chunks):

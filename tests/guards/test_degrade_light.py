@@ -14,10 +14,12 @@ import textwrap
 
 import pytest
 
-from kvguard.guards import degrade, names, runtime
-from kvguard.guards.instrumentor import _injected_globals
-from kvguard.guards.rewrite import SiteSpec, extract_function_code, rewrite_function
-from kvguard.guards.sites import SPECIAL_STORE_KEYS, discover
+from kvguard.guards.policy import degrade, runtime
+
+from kvguard.guards import names
+from kvguard.guards.hooking.instrumentor import _injected_globals
+from kvguard.guards.hooking.rewrite import SiteSpec, extract_function_code, rewrite_function
+from kvguard.guards.hooking.sites import SPECIAL_STORE_KEYS, discover
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 
@@ -281,4 +283,4 @@ def test_observe_and_strict_do_not_fail_requests(policy):
 def test_new_labels_are_in_the_closed_sets():
     assert "store_keys_consistency" in names.CHECKS and "request_failed" in names.ACTIONS
     assert names.STAGE_REQUEST_FAIL in names.STAGES
-    assert sys.modules["kvguard.guards.degrade"] is degrade
+    assert sys.modules["kvguard.guards.policy.degrade"] is degrade

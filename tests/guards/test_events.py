@@ -1,4 +1,4 @@
-"""kvguard.guards.events: one sanitized JSON line per event, on a private structlog chain."""
+"""kvguard.guards.telemetry.events: one sanitized JSON line per event, on a private structlog chain."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import structlog
 
-from kvguard.guards import events
+from kvguard.guards.telemetry import events
 
 
 class Request:

@@ -23,8 +23,8 @@ def test_seed_geometry_per_release(version):
     assert's bound expression on the geometry, never a version table. The expectation is
     read from the same sources by :func:`asserted_window_bound`; a crash verdict exactly
     when that bound is below the exact bound of #48959."""
-    from kvguard.guards import invariants
-    from kvguard.guards.vllm_source import DEFAULT_CACHE, asserted_window_bound, fetch_sdist, sdist_offload_sources
+    from kvguard.guards.checks import invariants
+    from kvguard.guards.hooking.vllm_source import DEFAULT_CACHE, asserted_window_bound, fetch_sdist, sdist_offload_sources
 
     asserted, expression = asserted_window_bound(
         sdist_offload_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists")), 4096, 32, 256

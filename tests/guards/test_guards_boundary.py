@@ -17,20 +17,20 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_pure_modules_import_no_vllm():
-    mods = imported_after("import kvguard.guards.invariants, kvguard.guards.names, kvguard.guards.rewrite, kvguard.guards.sites")
+    mods = imported_after("import kvguard.guards.checks.invariants, kvguard.guards.names, kvguard.guards.hooking.rewrite, kvguard.guards.hooking.sites")
     assert "vllm" not in mods
     assert not {m for m in mods if m.split(".")[0] in {"prometheus_client", "structlog", "pydantic", "packaging"}}
 
 
 def test_plugin_package_import_is_free():
     mods = imported_after("import kvguard.guards, kvguard.guards.plugin")
-    assert "vllm" not in mods and "kvguard.guards.instrumentor" not in mods
+    assert "vllm" not in mods and "kvguard.guards.hooking.instrumentor" not in mods
 
 
 def test_no_top_level_guards_or_sidecar_module():
     """Issue 11: everything lives under ``kvguard.``; no bare ``guards``/``sidecar`` names."""
-    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.runtime, kvguard.sidecar.cli")
-    assert {"kvguard.guards.runtime", "kvguard.sidecar.cli"} <= mods
+    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.policy.runtime, kvguard.sidecar.cli")
+    assert {"kvguard.guards.policy.runtime", "kvguard.sidecar.cli"} <= mods
     assert not {m for m in mods if m.split(".")[0] in {"guards", "sidecar"}}
 
 
@@ -54,6 +54,6 @@ def test_nothing_the_engine_imports_is_the_lab():
             if isinstance(node, ast.Import) and any(a.name.startswith("kvguard.lab") for a in node.names):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
-    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.instrumentor, kvguard.guards.runtime, "
-                          "kvguard.guards.admission, kvguard.guards.wait_bound")
+    mods = imported_after("import kvguard.guards.plugin, kvguard.guards.hooking.instrumentor, kvguard.guards.policy.runtime, "
+                          "kvguard.guards.checks.admission, kvguard.guards.checks.wait_bound")
     assert not {m for m in mods if m.startswith("kvguard.lab")}

@@ -8,11 +8,15 @@ import sys
 import pytest
 import wrapt
 
-from kvguard.guards import events, names, runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
-from kvguard.guards.rewrite import INJECTED_GLOBALS, fingerprint_id
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor, installed_vllm_version
+from kvguard.guards.hooking.rewrite import INJECTED_GLOBALS, fingerprint_id
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import MEASURED_VLLM_RELEASES, known_site_ids, vllm_relation, vllm_support
+from kvguard.guards.hooking.sites import MEASURED_VLLM_RELEASES, known_site_ids, vllm_relation, vllm_support
 from packaging.version import Version
 
 import fakevllm
@@ -272,7 +276,7 @@ class TestDeclaredSupport:
 
     @pytest.fixture(autouse=True)
     def _fresh_reports(self, monkeypatch):
-        from kvguard.guards import instrumentor
+        from kvguard.guards.hooking import instrumentor
 
         monkeypatch.setattr(instrumentor, "_unmeasured_reported", set())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.guards.invariants import (
+from kvguard.guards.checks.invariants import (
     cdiv,
     group_sizes_consistency,
     mamba_pending_limit,

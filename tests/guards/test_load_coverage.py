@@ -1,4 +1,4 @@
-"""kvguard.guards.load_coverage against a brute-force block model (no vLLM).
+"""kvguard.guards.checks.load_coverage against a brute-force block model (no vLLM).
 
 The brute-force model walks every GPU block of the hit, as ``update_state_after_alloc``
 does: a block is a local prefix-cache block when all its tokens are locally computed,
@@ -19,8 +19,8 @@ import random
 
 import pytest
 
-from kvguard.guards.invariants import cdiv, swa_pending_blocks
-from kvguard.guards.load_coverage import GroupGeometry, load_chunks, load_set, longest_loadable_hit
+from kvguard.guards.checks.invariants import cdiv, swa_pending_blocks
+from kvguard.guards.checks.load_coverage import GroupGeometry, load_chunks, load_set, longest_loadable_hit
 
 
 def brute_chunks(
@@ -166,7 +166,7 @@ def test_longest_loadable_hit_examples():
     assert longest_loadable_hit(groups, 0, 1024, lambda g, c: (g, c) != (0, 0)) == 0
 
 
-# -- how the admission wrapper binds vLLM's arguments (kvguard.guards.admission._Binder) --
+# -- how the admission wrapper binds vLLM's arguments (kvguard.guards.checks.admission._Binder) --
 class _Lookup:
     """Stand-ins for the shapes a ``get_num_new_matched_tokens`` may have across releases."""
 
@@ -192,20 +192,20 @@ class _Lookup:
     ],
 )
 def test_binder_reads_request_and_computed_tokens_by_signature(method, args, kwargs):
-    from kvguard.guards.admission import _Binder
+    from kvguard.guards.checks.admission import _Binder
 
     bound_method = getattr(_Lookup(), method)
     assert _Binder(bound_method).bind(args, kwargs) == ("req", 64)
 
 
 def test_binder_rejects_a_call_that_does_not_bind():
-    from kvguard.guards.admission import _Binder
+    from kvguard.guards.checks.admission import _Binder
 
     with pytest.raises(TypeError):
         _Binder(_Lookup().plain).bind(("req",), {})
 
 
-# -- readiness of an offload entry (kvguard.guards.admission._span_loadable) ---------------
+# -- readiness of an offload entry (kvguard.guards.checks.admission._span_loadable) ---------------
 class _RefCntEntry:
     """The shape of vLLM's BlockStatus / ChunkStatus: ready when ref_cnt >= 0."""
 
@@ -230,7 +230,7 @@ class _FlagEntry:
 
 
 def test_ready_rule_is_read_from_the_property_source():
-    from kvguard.guards.admission import _is_ref_cnt_ready
+    from kvguard.guards.checks.admission import _is_ref_cnt_ready
 
     assert _is_ref_cnt_ready(_RefCntEntry) is True
     assert _is_ref_cnt_ready(_FlagEntry) is False
@@ -249,13 +249,13 @@ def test_ready_rule_is_read_from_the_property_source():
     ],
 )
 def test_span_loadable(entries, expected):
-    from kvguard.guards.admission import _span_loadable
+    from kvguard.guards.checks.admission import _span_loadable
 
     span = ["a", "b"] if entries else []
     assert _span_loadable(entries.get, span) is expected
 
 
-# -- the check's hot path (kvguard.guards.admission.admit) on a stand-in scheduler ------
+# -- the check's hot path (kvguard.guards.checks.admission.admit) on a stand-in scheduler ------
 class FullAttentionSpec:
     """Named as vLLM's spec class (the plan matches a group's kind by class name)."""
 
@@ -327,7 +327,7 @@ def test_admit_reads_the_load_set(tpb, bpc, sw, extra):
     every chunk of the sliding-window group's load set is read, and of the
     full-attention group's, the first and the last (the interior is what vLLM's lookup
     confirmed); the answer passes through as the same object."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, sw, extra)]
     tpc = tpb * bpc
@@ -357,7 +357,7 @@ def test_admit_reads_the_chunk_of_a_mamba_group(tpb, bpc):
     grid ``admit`` reads, of the Mamba group, exactly the chunk :func:`load_chunks` gives
     (the one holding the hit's last token), beside the other groups' keys; the answer
     passes through as the same object and every lookup is evaluated (none skipped)."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     sw = 3 * tpb + 1
     specs = [FullAttentionSpec(), SlidingWindowSpec(sw), MambaSpec()]
@@ -391,7 +391,7 @@ def test_admit_reduces_a_hit_whose_mamba_chunk_is_missing():
     """The chunk holding the Mamba state at the hit's end is missing: the hit is cut to the
     longest one whose load set is loadable, here the previous chunk boundary (its Mamba
     chunk, the one before, is present)."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     tpb, bpc = 4, 2  # 8-token chunks
     specs = [FullAttentionSpec(), MambaSpec()]
@@ -440,7 +440,9 @@ def test_what_cannot_be_modelled_is_skipped_not_a_guard_error(reason):
     """Every lookup with a hit that the check cannot evaluate passes vLLM's answer through
     (the same object), counts ``kvguard_check_skipped_total{check="load_coverage", reason}``
     and no guard error; the ``check_skipped`` event comes once per scheduler and reason."""
-    from kvguard.guards import admission, events, runtime
+    from kvguard.guards.checks import admission
+    from kvguard.guards.telemetry import events
+    from kvguard.guards.policy import runtime
 
     cs = _skip_case(reason)
     spy = _MetricsSpy()
@@ -468,7 +470,8 @@ def test_what_cannot_be_modelled_is_skipped_not_a_guard_error(reason):
 def test_an_exception_inside_the_check_is_still_a_guard_error():
     """Only kvguard's own failures are guard errors: a group state without offload keys
     (an exception inside the check) counts ``stage="admission"`` and passes the answer on."""
-    from kvguard.guards import admission, runtime
+    from kvguard.guards.checks import admission
+    from kvguard.guards.policy import runtime
 
     cs = _stand_in_scheduler(4, 2, 9, 0, 4)
     cs._req_status["r"].group_states = (_Obj(), _Obj())
@@ -485,7 +488,7 @@ def test_an_exception_inside_the_check_is_still_a_guard_error():
 def test_admit_reduces_a_hit_whose_window_chunk_is_missing():
     """A window chunk missing inside the sliding-window load set: the hit is reduced to
     :func:`longest_loadable_hit` (guard, the default policy) and counted."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     tpb, bpc, sw = 4, 2, 20  # chunk 8 tokens; the window's load set is 3-4 chunks
     cs = _stand_in_scheduler(tpb, bpc, sw, 0, 8, missing={(1, 3)})
@@ -504,7 +507,7 @@ def test_admit_reduces_a_hit_whose_window_chunk_is_missing():
 def test_reset_zeroes_both_checks_counts():
     """reset() zeroes the promotion-fit counts too (they share the in-process table with
     the load-coverage counts, whose keys the hot path increments in place)."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     admission._bump(admission._PF + "hit_reduced", 3)
     admission._bump("hit_reduced", 2)
@@ -521,7 +524,7 @@ def _stand_in_tiered(tpb: int, bpc: int, sw: int, chunks: int, capacity: int):
     """A connector scheduler over a stand-in of vLLM's tiering manager: ``primary_tier``
     (its policy knows ``cache_capacity``), one secondary tier, a ``lookup``. Entries are
     set per test in ``cs.manager.primary_tier._policy.chunks``."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     specs = [FullAttentionSpec(), SlidingWindowSpec(sw, 0)]
     keys = [[(g, c) for c in range(chunks)] for g in range(2)]
@@ -555,7 +558,8 @@ def _deferral(cs, keys, ready: set, pending: set):
 
 @pytest.fixture
 def policy_of():
-    from kvguard.guards import admission, runtime
+    from kvguard.guards.checks import admission
+    from kvguard.guards.policy import runtime
 
     previous = runtime.configure()
     admission.reset()
@@ -571,7 +575,7 @@ def test_a_deferral_that_loses_a_ready_chunk_answers_what_is_ready(policy_of):
     ``guard`` the second answers the longest hit whose load set is ready now (chunk 3 of
     group 0 cuts it to 24 tokens), counted as ``promotion_progress`` ``hit_reduced`` with
     the cut tokens; a deferral that only gains ready chunks passes vLLM's ``None`` on."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     tpb, bpc, sw = 4, 2, 20  # 8-token chunks; the window reads 3 chunks of group 1
     cs, keys = _stand_in_tiered(tpb, bpc, sw, chunks=5, capacity=29)
@@ -598,7 +602,7 @@ def test_a_deferral_that_loses_a_ready_chunk_answers_what_is_ready(policy_of):
 
 @pytest.mark.parametrize("policy", ["observe", "strict"])
 def test_promotion_progress_observe_counts_and_strict_raises(policy_of, policy):
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     cs, keys = _stand_in_tiered(4, 2, 20, chunks=5, capacity=29)
     request = _Obj(request_id="r", num_tokens=41)
@@ -621,7 +625,7 @@ def test_an_answered_lookup_ends_the_deferral_it_is_compared_with(policy_of):
     preempted) forgets the request's last deferral, so a later deferral with fewer ready
     chunks is a new wait, not a lost one; the kill switch (``promotion_progress=False``)
     leaves every deferral to vLLM."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     cs, keys = _stand_in_tiered(4, 2, 20, chunks=5, capacity=29)
     request = _Obj(request_id="r", num_tokens=41)
@@ -645,14 +649,14 @@ def test_an_answered_lookup_ends_the_deferral_it_is_compared_with(policy_of):
     assert admission.snapshot_promotion_progress()["hit_reduced"] == 1
 
 
-# -- the pre-bound wrapper of each scheduler (kvguard.guards.admission.attach) ----------
+# -- the pre-bound wrapper of each scheduler (kvguard.guards.checks.admission.attach) ----------
 def _wrapped_scheduler_class():
     """A stand-in scheduler class whose lookup carries kvguard's class-level wrap, as the
     instrumentor installs it; its lookup answers a 40-token hit whose window chunk 3 is
     missing (the stand-in of ``test_admit_reduces_a_hit_whose_window_chunk_is_missing``)."""
     import wrapt
 
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     class Scheduler:
         def __init__(self):
@@ -672,7 +676,7 @@ def test_attach_gives_a_scheduler_the_same_check_pre_bound():
     """``attach`` sets an instance attribute that wraps vLLM's method bound to that
     scheduler; a call through it is checked exactly as through the class wrap (the hit is
     reduced the same way); ``detach_all`` removes it and the class wrap still checks."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     Scheduler = _wrapped_scheduler_class()
     cs = Scheduler()
@@ -697,8 +701,8 @@ def _inline_scheduler_class():
     rewrite, compiled from the source below, ``admit_return`` injected)."""
     import textwrap
 
-    from kvguard.guards import admission
-    from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, KIND_ADMISSION_RETURN, SiteSpec, rewrite_function
+    from kvguard.guards.checks import admission
+    from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN, KIND_ADMISSION_RETURN, SiteSpec, rewrite_function
 
     src = textwrap.dedent('''
         class Scheduler:
@@ -728,7 +732,7 @@ def test_the_check_in_the_lookups_code_acts_as_the_wrapper_does():
     the same reduced answer as through the wrapt wrapper; no wrapper is attached to a
     scheduler without tiering; ``unwrapped_lookup`` runs the same code with the check
     passing vLLM's answer through (the replay harness admits after its own cap)."""
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     request = _Obj(request_id="r")
     via_wrapper = _wrapped_scheduler_class()().get_num_new_matched_tokens(request, 0)
@@ -747,7 +751,7 @@ def test_the_check_in_the_lookups_code_acts_as_the_wrapper_does():
 
 
 def test_attach_never_replaces_an_instance_attribute_or_a_subclass_override():
-    from kvguard.guards import admission
+    from kvguard.guards.checks import admission
 
     Scheduler = _wrapped_scheduler_class()
     cs = Scheduler()
@@ -767,7 +771,7 @@ def test_attach_never_replaces_an_instance_attribute_or_a_subclass_override():
 
 def test_binder_fast_path_reads_positions_from_the_signature():
     """vLLM's positional call shape takes the two-read fast path, in the signature's order."""
-    from kvguard.guards.admission import _Binder
+    from kvguard.guards.checks.admission import _Binder
 
     plain = _Binder(_Lookup().plain)
     assert plain.positions == (0, 1) and plain.min_args == 2

@@ -1,4 +1,4 @@
-"""kvguard.guards.metrics: multiprocess files in an explicit dir (after client_python's test_multiprocess.py)."""
+"""kvguard.guards.telemetry.metrics: multiprocess files in an explicit dir (after client_python's test_multiprocess.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvguard.guards import names
-from kvguard.guards.metrics import GuardMetrics, get_metrics
+from kvguard.guards.telemetry.metrics import GuardMetrics, get_metrics
 from guardtools import SITE_SWA_PENDING_BOUND
 
 
@@ -18,7 +18,7 @@ def window_site_registered():
     """The window site in the process's site registry, as discovery registers it when the
     guard installs; the ``site`` label is validated against that registry, so a test that
     exports it must not depend on an earlier test module having installed the guard."""
-    from kvguard.guards import sites
+    from kvguard.guards.hooking import sites
 
     sites.register([sites.Site(
         SITE_SWA_PENDING_BOUND, "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.guards import events, names, runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 from kvguard.guards.settings import GuardSettings
 from guardtools import SITE_GROUP_SIZES_SUM, SITE_REQUEST_NOT_NONE, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
 

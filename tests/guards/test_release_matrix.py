@@ -16,18 +16,18 @@ import ast
 
 import pytest
 
-from kvguard.guards import invariants
+from kvguard.guards.checks import invariants
 from kvguard.lab.geometry import tripping_remainders
 from kvguard.lab.release_matrix import RELEASES, SEED_GEOMETRY, release_row
-from kvguard.guards.rewrite import iter_functions
-from kvguard.guards.sites import (
+from kvguard.guards.hooking.rewrite import iter_functions
+from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
     imported_modules,
     in_scope,
     worker_by_name,
     worker_role,
 )
-from kvguard.guards.vllm_source import (
+from kvguard.guards.hooking.vllm_source import (
     DEFAULT_CACHE,
     asserted_window_bound,
     fetch_sdist,

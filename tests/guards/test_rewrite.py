@@ -10,10 +10,12 @@ import traceback
 
 import pytest
 
-from kvguard.guards import events, runtime
-from kvguard.guards.hook import GuardFinder
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _injected_globals
-from kvguard.guards.rewrite import (
+from kvguard.guards.telemetry import events
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.hook import GuardFinder
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor, _injected_globals
+from kvguard.guards.hooking.rewrite import (
     GLOBAL_ADMIT_RETURN,
     INJECTED_GLOBALS,
     KIND_ADMISSION_RETURN,
@@ -28,7 +30,7 @@ from kvguard.guards.rewrite import (
 )
 from kvguard.guards.settings import GuardSettings
 from guardtools import SITE_GROUP_SIZES_SUM, SITE_STORE_DROP, SITE_SWA_PENDING_BOUND
-from kvguard.guards.sites import discover
+from kvguard.guards.hooking.sites import discover
 
 import fakevllm
 

@@ -3,7 +3,7 @@
 A module is worker-side by import when at least one module of the offload packages
 imports it and every such importer is worker-side; nobody importing it keeps it in scope
 (vLLM's spec factory loads spec modules by dotted-name strings). The same two functions
-(:func:`kvguard.guards.sites.worker_side_modules`, :func:`kvguard.guards.sites.in_scope`)
+(:func:`kvguard.guards.hooking.sites.worker_side_modules`, :func:`kvguard.guards.hooking.sites.in_scope`)
 decide for the live install (the import hook) and the source-only release matrix.
 """
 
@@ -13,11 +13,11 @@ import ast
 
 import pytest
 
-from kvguard.guards import sites
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _Scope
+from kvguard.guards.hooking import sites
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor, _Scope
 from kvguard.lab.release_matrix import release_row
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import (
+from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
     imported_modules,
     in_scope,
@@ -229,7 +229,7 @@ class TestLiveInstall:
         assert calls == [1]
 
     def test_unreadable_sources_fall_back_to_the_by_name_rule(self):
-        from kvguard.guards import runtime
+        from kvguard.guards.policy import runtime
 
         def read():
             raise OSError("no files")

@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvguard.guards import events, names, runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 from kvguard.guards.plugin import register
 from kvguard.guards.settings import GuardSettings
 
@@ -63,9 +67,9 @@ def test_register_disable(monkeypatch):
 
 def test_register_installs_and_calls_fatal_install(tmp_path, monkeypatch):
     calls = []
-    fake_fatal = types.ModuleType("kvguard.guards.fatal")
+    fake_fatal = types.ModuleType("kvguard.guards.policy.fatal")
     fake_fatal.install = calls.append
-    monkeypatch.setitem(sys.modules, "kvguard.guards.fatal", fake_fatal)
+    monkeypatch.setitem(sys.modules, "kvguard.guards.policy.fatal", fake_fatal)
     settings = GuardSettings(state_dir=tmp_path / "state", policy="observe")
     with fakevllm.fake_vllm(tmp_path):
         assert register(settings) is True
@@ -76,13 +80,13 @@ def test_register_installs_and_calls_fatal_install(tmp_path, monkeypatch):
 
 
 def test_register_counts_a_failing_fatal_install(tmp_path, monkeypatch):
-    fake_fatal = types.ModuleType("kvguard.guards.fatal")
+    fake_fatal = types.ModuleType("kvguard.guards.policy.fatal")
 
     def install(settings):
         raise OSError("read-only state dir")
 
     fake_fatal.install = install
-    monkeypatch.setitem(sys.modules, "kvguard.guards.fatal", fake_fatal)
+    monkeypatch.setitem(sys.modules, "kvguard.guards.policy.fatal", fake_fatal)
     errors = []
     with fakevllm.fake_vllm(tmp_path):
         monkeypatch.setattr(runtime, "guard_error", lambda stage, error: errors.append(stage))

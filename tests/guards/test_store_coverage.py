@@ -1,4 +1,4 @@
-"""The store coverage invariant (guards/store_coverage.py, issue 22) against a simulation.
+"""The store coverage invariant (guards/checks/store_coverage.py, issue 22) against a simulation.
 
 Exhaustive over small tables: vLLM's store builder (``_build_store_jobs``, 0.25.1-0.34.0:
 walk each stored chunk's blocks in the connector's table, skip id 0, ``block_indices`` =
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvguard.guards.store_coverage import GroupStore, group_store_problems
+from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems
 
 
 def build_store(table: list[int], stored_chunks: list[int], bpc: int) -> tuple[list[int], int, list[int]]:

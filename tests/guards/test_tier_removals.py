@@ -1,11 +1,11 @@
 """Which calls of a cache policy can take an entry out, derived from its source
-(:mod:`kvguard.guards.tier_removals`), on small policies written like vLLM's."""
+(:mod:`kvguard.guards.checks.tier_removals`), on small policies written like vLLM's."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvguard.guards import tier_removals
+from kvguard.guards.checks import tier_removals
 
 
 class Entry:

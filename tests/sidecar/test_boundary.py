@@ -17,7 +17,7 @@ def test_no_sidecar_module_imports_vllm():
     assert {"kvguard.sidecar.app", "kvguard.sidecar.supervisor", "kvguard.sidecar.commands", "kvguard.sidecar.collector"} <= set(modules)
     code = (
         "import importlib, json, sys\n"
-        f"mods = {modules + ['kvguard.guards.statefile', 'kvguard.guards.invariants']!r}\n"
+        f"mods = {modules + ['kvguard.guards.telemetry.statefile', 'kvguard.guards.checks.invariants']!r}\n"
         "for m in mods: importlib.import_module(m)\n"
         "from kvguard.sidecar.cli import main\n"
         "for name in ('sidecar', 'run'): main.get_command(None, name)\n"

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from kvguard.guards.statefile import FatalRecord
+from kvguard.guards.telemetry.statefile import FatalRecord
 from kvguard.sidecar.exitcode import (
     ENGINE_FATAL,
     EXEC_NOT_EXECUTABLE,

@@ -1,4 +1,4 @@
-"""guards/fatal.py against the real ``vllm.v1.engine.core`` (runs in the vLLM envs).
+"""guards/policy/fatal.py against the real ``vllm.v1.engine.core`` (runs in the vLLM envs).
 
 The hooked methods are called the way ``EngineCoreProc.run_engine_core`` calls them,
 with a stand-in ``self`` that has only what the real method body touches.
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvguard.guards.statefile import StateDir, read_fatal_records
+from kvguard.guards.telemetry.statefile import StateDir, read_fatal_records
 from kvguard.sidecar.collector import StateDirCollector
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture
 def recorder(tmp_path):
-    from kvguard.guards import fatal
+    from kvguard.guards.policy import fatal
     from kvguard.guards.settings import GuardSettings
 
     assert fatal.install(GuardSettings(state_dir=tmp_path)) is True
@@ -91,7 +91,7 @@ def test_no_exception_no_record(recorder):
 def test_uninstall_restores_vllm(recorder):
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-    from kvguard.guards import fatal
+    from kvguard.guards.policy import fatal
 
     import wrapt
 

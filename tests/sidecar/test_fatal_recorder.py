@@ -1,4 +1,4 @@
-"""guards/fatal.py without vLLM: the record, the counter, the dead-pid sweep (light env).
+"""guards/policy/fatal.py without vLLM: the record, the counter, the dead-pid sweep (light env).
 
 The hooks into ``vllm.v1.engine.core`` are tested against the real module in
 test_fatal.py (vLLM envs); here the recorder is called directly.
@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 
-from kvguard.guards.statefile import StateDir, read_fatal_records
+from kvguard.guards.telemetry.statefile import StateDir, read_fatal_records
 from kvguard.sidecar.collector import StateDirCollector
 
 
 @pytest.fixture
 def fatal():
-    from kvguard.guards import fatal as mod
+    from kvguard.guards.policy import fatal as mod
 
     yield mod
     mod.uninstall()

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sidecartools import busy_wait, samples
 
-from kvguard.guards.statefile import FatalRecord, RunRecord, StateDir, write_fatal_record, write_run_record
+from kvguard.guards.telemetry.statefile import FatalRecord, RunRecord, StateDir, write_fatal_record, write_run_record
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.collector import PRECREATED_EXCEPTIONS, read_metrics_dir
 from kvguard.sidecar.config import SidecarConfig
@@ -64,7 +64,7 @@ def test_every_counter_an_alert_or_panel_uses_exists_at_0_before_the_plugin_writ
 
 def test_a_new_process_with_the_same_pid_never_inherits_old_counts(tmp_path):
     """A restarted container's EngineCore often gets the old pid: its files are new."""
-    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.guards.telemetry.metrics import GuardMetrics
 
     old = GuardMetrics(tmp_path)
     old.violation("swa_pending_bound", "raised")
@@ -88,7 +88,7 @@ def test_a_new_process_with_the_same_pid_never_inherits_old_counts(tmp_path):
 
 
 def test_run_record_round_trip_and_rejects(tmp_path):
-    from kvguard.guards.statefile import StateFileError, read_run_record
+    from kvguard.guards.telemetry.statefile import StateFileError, read_run_record
 
     state = StateDir(tmp_path)
     assert read_run_record(state) is None

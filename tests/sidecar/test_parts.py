@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.guards.statefile import process_name
+from kvguard.guards.telemetry.statefile import process_name
 from kvguard.sidecar.parts import PartDeath, PartWatch, descendants, parse_stat, title_prefix
 
 from sidecartools import busy_wait

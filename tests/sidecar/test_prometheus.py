@@ -25,7 +25,7 @@ import pytest
 import yaml
 from sidecartools import busy_wait, free_port
 
-from kvguard.guards.statefile import StateDir
+from kvguard.guards.telemetry.statefile import StateDir
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the shortened `for:` of every rule
@@ -169,7 +169,7 @@ def test_not_coming_up_within_the_startup_budget_pages(fake_vllm, sidecar_proc, 
 VIOLATE = textwrap.dedent(
     """
     import sys
-    from kvguard.guards.metrics import GuardMetrics
+    from kvguard.guards.telemetry.metrics import GuardMetrics
     GuardMetrics(sys.argv[1]).violation("swa_pending_bound", "store_dropped")
     """
 )
@@ -197,7 +197,7 @@ CRASH = textwrap.dedent(
     # plays vLLM under kvguard run: EngineCore records a fatal exception (the plugin's own
     # recorder), then the API server exits 0 (vLLM #48966)
     import os
-    from kvguard.guards import fatal
+    from kvguard.guards.policy import fatal
     from kvguard.guards.settings import GuardSettings
     assert fatal.install(GuardSettings.from_env())
     assert fatal.record_exception(AssertionError("pending 129 > 128"), "running")

@@ -19,15 +19,15 @@ import psutil
 import pytest
 from sidecartools import busy_wait, free_port, samples
 
-from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.guards.telemetry.statefile import FatalRecord, StateDir, write_fatal_record
 
 WRITER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
     os.umask(0o077)  # the strictest umask a vLLM image might run with
-    from kvguard.guards.metrics import GuardMetrics
-    from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+    from kvguard.guards.telemetry.metrics import GuardMetrics
+    from kvguard.guards.telemetry.statefile import FatalRecord, StateDir, write_fatal_record
     root = Path(sys.argv[1])
     m = GuardMetrics(root)
     for _ in range(int(sys.argv[2])):

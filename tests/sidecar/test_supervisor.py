@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.guards.statefile import FatalRecord, StateDir, write_fatal_record
+from kvguard.guards.telemetry.statefile import FatalRecord, StateDir, write_fatal_record
 from kvguard.sidecar.exitcode import ENGINE_FATAL
 
 from sidecartools import busy_wait
@@ -118,7 +118,7 @@ def test_exit_zero_with_fatal_marker_gives_engine_fatal_and_message(kvguard_run,
     # The child plays EngineCore: it writes a fatal record into the exported state dir,
     # then exits 0 the way vLLM's API server does (#48966).
     writer = (
-        "import os; from kvguard.guards.statefile import *; "
+        "import os; from kvguard.guards.telemetry.statefile import *; "
         "write_fatal_record(StateDir(__import__('pathlib').Path(os.environ['KVGUARD_STATE_DIR'])), "
         "FatalRecord('AssertionError', 'pending 129 > 128', 'swa_pending_bound', __import__('time').time(), os.getpid(), '0.25.1', 'running'))"
     )
@@ -154,7 +154,7 @@ def test_state_dir_history_is_kept_but_an_old_fatal_does_not_count(kvguard_run, 
 
 
 def test_fatal_history_is_bounded_across_starts(kvguard_run, tmp_path):
-    from kvguard.guards.statefile import FATAL_HISTORY
+    from kvguard.guards.telemetry.statefile import FATAL_HISTORY
 
     state = StateDir(tmp_path / "state").ensure()
     for i in range(FATAL_HISTORY + 5):

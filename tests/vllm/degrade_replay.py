@@ -58,7 +58,7 @@ def plant(victim: str) -> str:
 
 
 def replay(trace, guard: bool) -> dict:
-    from kvguard.guards import events
+    from kvguard.guards.telemetry import events
     from kvguard.lab.replay.harness import build_engine, install_guard, run_replay
     from kvguard.lab.replay.report import to_json
 

@@ -4,7 +4,7 @@ keeps them, the #48959 seed geometry, and planting chunks in a real CPU tier."""
 import contextlib
 from typing import Any
 
-from kvguard.guards.rewrite import fingerprint_id
+from kvguard.guards.hooking.rewrite import fingerprint_id
 
 SITE_SWA_PENDING_BOUND = "offloading.scheduler:OffloadingConnectorScheduler.update_state_after_alloc:swa_pending_bound"
 SITE_GROUP_SIZES_SUM = f"kv_offload.base:GPULoadStoreSpec.__init__:{fingerprint_id('sum(group_sizes) == len(block_ids)')}"
@@ -17,9 +17,9 @@ SEED_WINDOW, SEED_BLOCK, SEED_CHUNK, SEED_CACHED_TOKENS = 4096, 32, 256, 98012
 
 def seed_window_bound() -> tuple[int, str]:
     """``(bound, expression)``: the pending GPU blocks the installed release's window assert
-    allows for the seed geometry, read from its own code (:func:`kvguard.guards.vllm_source.asserted_window_bound`;
+    allows for the seed geometry, read from its own code (:func:`kvguard.guards.hooking.vllm_source.asserted_window_bound`;
     vLLM #48959 asserted 128 there, PR #49052 relaxed it to 129)."""
-    from kvguard.guards.vllm_source import asserted_window_bound, installed_offload_sources
+    from kvguard.guards.hooking.vllm_source import asserted_window_bound, installed_offload_sources
 
     return asserted_window_bound(installed_offload_sources(), SEED_WINDOW, SEED_BLOCK, SEED_CHUNK)
 
@@ -56,7 +56,7 @@ def offload_status(cs: Any, request: Any) -> Any:
     if callable(getattr(cs, "on_new_request", None)):
         cs.on_new_request(request)
     else:
-        from kvguard.guards import admission
+        from kvguard.guards.checks import admission
 
         admission.unwrapped_lookup(cs)[0](request, 0)
     status = cs._req_status[request.request_id]

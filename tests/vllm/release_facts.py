@@ -2,7 +2,7 @@
 
 Most expectations of the vLLM tests are computed from what the installed release's code
 says (the window bound it asserts, whether its worker asserts a transfer's success:
-:mod:`kvguard.guards.vllm_source`, :mod:`kvguard.lab.replay.vllm_api`). What cannot be
+:mod:`kvguard.guards.hooking.vllm_source`, :mod:`kvguard.lab.replay.vllm_api`). What cannot be
 read, only measured, lives in one file, ``tests/vllm/release_facts.csv``: one row per
 release and fact (``release,fact,value,measured``; ``value`` is JSON). A release without a
 row for a fact fails :func:`fact` and ``test_release_facts.py`` with one message naming
@@ -93,7 +93,7 @@ def fact(name: str) -> Any:
     """The measured value of fact ``name`` on the installed vLLM (JSON-decoded).
 
     Fails the calling test with :func:`missing_message` when the release has no row."""
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     if name not in FACTS:
         raise KeyError(f"unknown release fact {name!r}; known: {', '.join(FACTS)}")

@@ -2,7 +2,7 @@
 
 The admission check reuses its verdict "this load set is loadable" for a request whose
 lookup vLLM repeats with the same ``num_computed_tokens`` and the same answer, until the
-cache policy may have removed an entry (:mod:`kvguard.guards.tier_removals`). Here, on the
+cache policy may have removed an entry (:mod:`kvguard.guards.checks.tier_removals`). Here, on the
 real ``Scheduler`` + ``OffloadingConnector`` of the installed release and its real CPU
 manager: a planted prompt, a request whose hit reads it, the verdict kept (the second
 check reads nothing: ``reused``), then a chunk of that load set is taken out of the tier
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from guardtools_vllm import offload_status, plant_in_cpu_tier
 
-from kvguard.guards import admission
-from kvguard.guards.load_coverage import load_set
+from kvguard.guards.checks import admission
+from kvguard.guards.checks.load_coverage import load_set
 from kvguard.lab.replay import harness, vllm_api
 from kvguard.lab.replay.trace import Geometry
 

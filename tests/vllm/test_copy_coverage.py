@@ -26,7 +26,9 @@ import pytest
 from guardtools_vllm import expressible
 from release_facts import fact
 
-from kvguard.guards import events, names
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
 from kvguard.lab.replay import harness
 from kvguard.lab.replay.trace import load_trace
 
@@ -76,7 +78,7 @@ def test_a_partial_key_restored_from_a_secondary_tier_is_still_cut() -> None:
     reader's hit promotes the tier's partial copy and loads it. The ledger used to forget
     the key's partial entry at the dropped re-store (1 wrong block guarded, 2 unguarded). Now
     only a store that goes ahead is recorded, and with tiering a whole re-store forgets
-    nothing (guards/copy_ledger.py)."""
+    nothing (guards/checks/copy_ledger.py)."""
     trace = load_trace(str(TRACES / TIERED_TRACE))
     want = fact("tiered_partial_restore_wrong_kv_blocks")
     if want is None:

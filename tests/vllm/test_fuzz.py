@@ -32,7 +32,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.lab.fuzz import determinism, plant, runner
-from kvguard.guards.instrumentor import installed_vllm_version
+from kvguard.guards.hooking.instrumentor import installed_vllm_version
 from kvguard.lab.replay import harness
 from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
 
@@ -233,7 +233,7 @@ GUARDED_EXAMPLES = 200
 #: took 52-92 s per release on 0.29.0 / 0.34.0 on a loaded 2-core machine, 3 Dec 2026).
 #: ``True``: no request may be lost either. Seed 1 on 0.21.0 lost 4 requests in examples 126
 #: and 127 to vLLM's own waiting-scan stall (vllm#45388) until the wait bound
-#: (guards/wait_bound.py) ended such waits: now both seeds lose none on every release.
+#: (guards/checks/wait_bound.py) ended such waits: now both seeds lose none on every release.
 GUARDED_SEEDS = ((0, True), (1, True))
 
 

@@ -14,10 +14,10 @@ import pytest
 import wrapt
 from prometheus_client import CollectorRegistry
 
-from kvguard.guards import runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _resolve, installed_vllm_version
-from kvguard.guards.metrics import GuardMetrics
-from kvguard.guards.rewrite import INJECTED_GLOBALS
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor, _resolve, installed_vllm_version
+from kvguard.guards.telemetry.metrics import GuardMetrics
+from kvguard.guards.hooking.rewrite import INJECTED_GLOBALS
 from kvguard.guards.settings import GuardSettings
 from vllmscope import discovered, import_scope
 
@@ -148,7 +148,7 @@ import importlib
 import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as s
 for name in {sorted(modules)!r}:
     importlib.import_module(name)
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 st = OffloadGuardInstrumentor().site_status()
 print(json.dumps({{"installed": sum(v == "installed" for v in st.values()),
                   "loader": type(s.__spec__.loader).__name__,

@@ -1,6 +1,6 @@
 """The admission check on the real vLLM scheduler (issue 9 item 1), in each .venvs/vllm-* env.
 
-- :func:`kvguard.guards.load_coverage.load_set` equals the chunk set of the real load
+- :func:`kvguard.guards.checks.load_coverage.load_set` equals the chunk set of the real load
   job: the real ``KVCacheManager`` allocates, the real ``update_state_after_alloc``
   builds the load, and the keys it hands to ``manager.prepare_load`` are mapped back to
   chunk indices, over several geometries and hit ends (some inside a GPU block);
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from guardtools_vllm import plant_in_cpu_tier
 
-from kvguard.guards import admission
-from kvguard.guards.load_coverage import GroupGeometry, load_set
+from kvguard.guards.checks import admission
+from kvguard.guards.checks.load_coverage import GroupGeometry, load_set
 from kvguard.lab.replay import harness, vllm_api
 from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
 
@@ -236,7 +236,7 @@ def test_the_check_runs_in_vllms_own_call_path(path, monkeypatch):
     (a scheduler without it)."""
     import inspect
 
-    from kvguard.guards import rewrite
+    from kvguard.guards.hooking import rewrite
 
     if path != "inline":
         monkeypatch.setattr(rewrite, "admission_return_names", lambda func: None)
@@ -435,13 +435,13 @@ MAMBA_GEOMETRIES = [(16, 64, "align"), (16, 16, "align"), (16, 64, "none"), (8, 
 def test_mamba_load_set_equals_the_real_load_job(tmp_path, tpb, tpc, mode):
     """A full-attention + Mamba hybrid: every load job vLLM's real ``KVCacheManager`` and
     ``update_state_after_alloc`` build reads, of each group, the chunks
-    :func:`~kvguard.guards.load_coverage.load_set` gives (of the Mamba group one chunk,
+    :func:`~kvguard.guards.checks.load_coverage.load_set` gives (of the Mamba group one chunk,
     the one holding the hit's last token). Hits: vLLM's own lookup answer and driven ends
     (in ``"none"`` mode some inside a GPU block; in ``"align"`` mode on chunk boundaries,
     as its lookup rounds them, some after a local prefix-cache hit). With the guard
     installed the admission check evaluated every hit, cut none, skipped none and counted
     no guard error."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     assert harness.install_guard("guard")
     scheduler = _hybrid_mamba_scheduler(tmp_path, tpb, tpc, mode)
@@ -501,7 +501,7 @@ def test_a_missing_mamba_chunk_dies_without_kvguard_and_is_cut_with_it(tmp_path,
     other chunk is): without kvguard vLLM's ``prepare_load`` raises for it; under
     ``guard`` the admission check cuts the hit to 9 chunks (Mamba chunk 8 is there), the
     load reads exactly that set, and the cut tokens are counted."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     tpb, tpc = 16, 64
     end = 10 * tpc if mode == "align" else 9 * tpc + 5
@@ -536,7 +536,7 @@ def test_an_unmodelled_group_kind_is_skipped_on_the_real_scheduler(tmp_path):
     """A full-attention + ``ChunkedLocalAttentionSpec`` hybrid (a kind load_coverage does not
     model): the guarded scheduler's lookups with a hit are passed through unchanged and
     counted as skipped (``group_kind``), never as guard errors."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     tpb, tpc = 16, 64
     assert harness.install_guard("guard")

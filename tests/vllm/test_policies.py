@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvguard.guards import events, runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor
-from kvguard.guards.metrics import GuardMetrics
+from kvguard.guards.telemetry import events
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.telemetry.metrics import GuardMetrics
 from kvguard.guards.settings import GuardSettings
 from guardtools_vllm import (
     SITE_GROUP_SIZES_SUM,

@@ -6,7 +6,7 @@ and the hit's load set (full-attention + sliding-window chunks) is larger than t
 30-chunk CPU tier. vLLM's ``TieringOffloadingManager`` promotes the missing chunks on
 every lookup, evicting ready chunks of the same hit, and the connector answers "retry
 later" forever (stall ``lookup_deferred``). With the guard the admission check sees the
-deferral's load set does not fit (``kvguard.guards.admission``, check ``promotion_fit``)
+deferral's load set does not fit (``kvguard.guards.checks.admission``, check ``promotion_fit``)
 and answers what is ready in the CPU tier (here 0: vLLM recomputes), so every request
 finishes with the right KV and the same tokens as a run without the secondary tier.
 
@@ -26,7 +26,11 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from kvguard.guards import admission, events, names  # noqa: E402
+from kvguard.guards.checks import admission
+
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names  # noqa: E402
 from kvguard.lab.replay import harness, tiering  # noqa: E402
 from kvguard.lab.replay.trace import load_trace  # noqa: E402
 
@@ -157,7 +161,7 @@ def test_observe_counts_and_keeps_vllms_deferral() -> None:
     pf = result.checks[names.CHECK_PROMOTION_FIT]
     assert pf["hit_reduced"] == 0 and pf["recomputed_tokens"] == 0
     assert pf["continued"] >= 1 and pf["continued"] == pf["violations"]  # once per deferred lookup
-    # the wait bound (guards/wait_bound.py) counts the same stall once, when it passes the
+    # the wait bound (guards/checks/wait_bound.py) counts the same stall once, when it passes the
     # bound, and leaves it too
     assert result.checks[names.CHECK_WAIT_BOUND].get(f"{names.WAIT_LOOKUP_DEFERRED}:{names.ACTION_CONTINUED}") == 1
     assert delta == {(names.CHECK_PROMOTION_FIT, names.ACTION_CONTINUED): float(pf["continued"]),
@@ -248,7 +252,7 @@ def test_a_deferral_that_evicts_its_own_ready_chunks_is_answered_with_what_is_re
     the guard ``promotion_progress`` sees a ready chunk of the awaited load set lost between
     two deferred lookups and answers what is ready: every request finishes, with the right
     KV and the tokens of a run without the secondary tiers."""
-    from kvguard.guards.load_coverage import GroupGeometry, load_set_size
+    from kvguard.guards.checks.load_coverage import GroupGeometry, load_set_size
 
     groups = [GroupGeometry(8, 2, None, 0), GroupGeometry(8, 2, 156, 0)]
     assert load_set_size(groups, 0, 208) == 23 <= RANK_LOOP.geometry.cpu_chunks == 29

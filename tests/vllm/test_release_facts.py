@@ -10,7 +10,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_every_measured_fact_has_a_row_for_this_release() -> None:
-    from kvguard.guards.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
 
     release = installed_vllm_version()
     assert not missing(release), missing_message(release)

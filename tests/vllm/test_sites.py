@@ -1,6 +1,6 @@
 """Discovery against the installed vLLM's own source (run in each .venvs/vllm-* env, issue 8).
 
-No table: the expected sites are what :func:`kvguard.guards.sites.discover` finds in each
+No table: the expected sites are what :func:`kvguard.guards.hooking.sites.discover` finds in each
 in-scope module's file, and the proof is that the installed guard rewrote all of them
 (every rewritten function's code reads kvguard's injected check), matched every special
 site, and evaluates vLLM's own window bound.
@@ -14,12 +14,12 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvguard.guards import runtime
-from kvguard.guards.instrumentor import OffloadGuardInstrumentor, _resolve
-from kvguard.guards.metrics import GuardMetrics
-from kvguard.guards.rewrite import GLOBAL_CHECK
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor, _resolve
+from kvguard.guards.telemetry.metrics import GuardMetrics
+from kvguard.guards.hooking.rewrite import GLOBAL_CHECK
 from kvguard.guards.settings import GuardSettings
-from kvguard.guards.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, in_scope
+from kvguard.guards.hooking.sites import SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP, SPECIAL_WINDOW, in_scope
 
 from vllmscope import discovered, import_scope, package_sources, scope_module_names, worker_side
 
@@ -70,7 +70,7 @@ POINTER_UTILS = "vllm.v1.kv_offload.pointer_utils"
 
 def static_reach(start: str, package: dict[str, str], ws: frozenset[str]) -> set[str]:
     """The offload modules ``start`` imports statically, followed through in-scope modules."""
-    from kvguard.guards.sites import imported_modules
+    from kvguard.guards.hooking.sites import imported_modules
 
     seen, todo = {start}, [start]
     while todo:
@@ -93,8 +93,8 @@ def test_scope_by_role_on_the_installed_release(installed):
     import importlib
 
     from kvguard.lab.release_matrix import release_row
-    from kvguard.guards.sites import worker_by_name
-    from kvguard.guards.vllm_source import installed_package_sources
+    from kvguard.guards.hooking.sites import worker_by_name
+    from kvguard.guards.hooking.vllm_source import installed_package_sources
 
     inst, _ = installed
     package, ws = package_sources(), worker_side()
@@ -153,8 +153,8 @@ def test_every_special_site_is_matched(scope):
 def test_no_assert_is_left_out_of_discovery(scope):
     """Independent count: every ``ast.Assert`` inside a function of an in-scope module
     (connector: scheduler-role functions) is one site occurrence."""
-    from kvguard.guards.rewrite import iter_functions
-    from kvguard.guards.sites import CONNECTOR_MODULE, worker_role
+    from kvguard.guards.hooking.rewrite import iter_functions
+    from kvguard.guards.hooking.sites import CONNECTOR_MODULE, worker_role
 
     modules, _ = scope
     for name, module in modules.items():
@@ -174,9 +174,9 @@ def test_check_geometry_reads_the_installed_release(tmp_path):
     table), and a crash verdict exactly when it is below the exact bound of #48959."""
     from click.testing import CliRunner
 
-    from kvguard.guards import invariants
-    from kvguard.guards.instrumentor import installed_vllm_version
-    from kvguard.guards.vllm_source import asserted_window_bound, offload_scope
+    from kvguard.guards.checks import invariants
+    from kvguard.guards.hooking.instrumentor import installed_vllm_version
+    from kvguard.guards.hooking.vllm_source import asserted_window_bound, offload_scope
     from kvguard.sidecar.cli import main
 
     version = installed_vllm_version()
@@ -197,8 +197,8 @@ def test_a_planted_assert_in_a_copy_of_a_target_module(tmp_path, installed):
     from pathlib import Path
 
     import vllm.v1.kv_offload as pkg
-    from kvguard.guards import events
-    from kvguard.guards.rewrite import fingerprint_id
+    from kvguard.guards.telemetry import events
+    from kvguard.guards.hooking.rewrite import fingerprint_id
 
     inst, registry = installed
     source = Path(importlib.util.find_spec("vllm.v1.kv_offload.cpu.manager").origin).read_text()

@@ -1,4 +1,4 @@
-"""The wait bound (guards/wait_bound.py) on the real vLLM scheduler and connector (marker vllm).
+"""The wait bound (guards/checks/wait_bound.py) on the real vLLM scheduler and connector (marker vllm).
 
 Every wait the offload path creates must end: guarded, each stall class of
 ``tests/vllm/traces/`` and each fault that leaves a wait with nothing to end it (a load

@@ -25,7 +25,9 @@ import pytest
 from guardtools_vllm import expressible
 from release_facts import fact
 
-from kvguard.guards import events, names
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
 from kvguard.lab.replay import harness
 from kvguard.lab.replay.trace import load_trace
 

@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from kvguard.guards.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope, worker_side_modules
+from kvguard.guards.hooking.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope, worker_side_modules
 
 
 @functools.cache

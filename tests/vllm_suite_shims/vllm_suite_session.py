@@ -17,12 +17,12 @@ guarded one).
    vLLM's own general plugins (the LoRA resolvers) load identically in both runs.
 2. ``pytest_sessionfinish`` writes a JSON report to ``$KVSUITE_REPORT``:
    ``{"pid", "general_plugins": [entry point names], "kvguard_env": {KVGUARD_* vars},
-   "kvguard_modules": [kvguard.guards.* modules imported], "snapshot": kvguard.guards.runtime.snapshot()
+   "kvguard_modules": [kvguard.guards.* modules imported], "snapshot": kvguard.guards.policy.runtime.snapshot()
    or null, "metrics": [{"name", "labels", "value"}] or null, "errors": [str]}``.
    ``metrics`` are the ``kvguard_*`` samples of ``$KVGUARD_STATE_DIR/metrics``, read with
    ``prometheus_client.multiprocess.MultiProcessCollector`` (every process of the run,
    summed as the sidecar sums them). The plugin never imports ``guards`` itself: the
-   snapshot is taken only if kvguard's plugin already imported ``kvguard.guards.runtime``.
+   snapshot is taken only if kvguard's plugin already imported ``kvguard.guards.policy.runtime``.
 
 It changes no test, no fixture and no vLLM code.
 """
@@ -86,7 +86,7 @@ def _platform() -> dict[str, object]:
 
 
 def _snapshot() -> dict[str, object] | None:
-    runtime = sys.modules.get("kvguard.guards.runtime")
+    runtime = sys.modules.get("kvguard.guards.policy.runtime")
     if runtime is None or not hasattr(runtime, "snapshot"):
         return None
     return runtime.snapshot()

@@ -5,12 +5,12 @@ layout::
 
     $KVGUARD_STATE_DIR/
       metrics/            prometheus-client multiprocess files (``<type>_<pid>.db``),
-                          written by ``guards/metrics.py``; read by the sidecar with
+                          written by ``guards/telemetry/metrics.py``; read by the sidecar with
                           ``MultiProcessCollector(registry, path=...)``.
       fatal/<pid>-<ms>.json  one record per EngineCore process that died of an exception
                           (``<ms>``: unix milliseconds of the record, so a pid reused by a
                           restarted container never overwrites an older record), written
-                          by ``guards/fatal.py``; read by ``kvguard run`` (exit status) and
+                          by ``guards/policy/fatal.py``; read by ``kvguard run`` (exit status) and
                           the sidecar (/status, /metrics). Kept across ``kvguard run``
                           starts, the newest :data:`FATAL_HISTORY` only.
       run.json            the current ``kvguard run``: when its child started, whether a

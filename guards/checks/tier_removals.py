@@ -1,6 +1,6 @@
 """Which calls can take an entry out of the offload tier, found in the cache policy's source.
 
-The admission check (:mod:`kvguard.guards.admission`) reuses a verdict "this load set is
+The admission check (:mod:`kvguard.guards.checks.admission`) reuses a verdict "this load set is
 loadable" for a request whose lookup vLLM repeats every step: a request at the
 head of the waiting queue whose GPU blocks do not fit yet is looked up again on each
 step, with the same ``num_computed_tokens`` and the same answer. The verdict stays true

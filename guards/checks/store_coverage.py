@@ -1,6 +1,6 @@
 """Store coverage: a chunk an offload store publishes holds every block it stands for.
 
-The invariant (checked by :func:`kvguard.guards.runtime.check_store` where vLLM's
+The invariant (checked by :func:`kvguard.guards.policy.runtime.check_store` where vLLM's
 store builder constructs a store's ``GPULoadStoreSpec``): **every GPU block of a chunk that
 a store publishes is copied into that chunk's place, except blocks the request's KV cache
 manager has already skipped** (a sliding-window or Mamba group frees the blocks wholly
@@ -33,7 +33,7 @@ prefix-cache hit of another request in the same step lists the *shared* blocks a
 new blocks too, so a block the request still holds is zeroed and left out of its chunk.
 
 Which zeros are legal is vLLM's skip rule, not a table: a block ``j`` of a group that
-keeps ``kept_tokens`` tokens (:attr:`kvguard.guards.load_coverage.GroupGeometry.kept_tokens`:
+keeps ``kept_tokens`` tokens (:attr:`kvguard.guards.checks.load_coverage.GroupGeometry.kept_tokens`:
 ``sliding_window - 1 + extra_retained_tokens`` for a window, 1 for Mamba, None for full
 attention, which skips nothing) may be null when it lies wholly below the skipped tokens
 of the request, ``(j + 1) * tokens_per_block <= num_tokens - kept_tokens``; ``num_tokens``

@@ -217,7 +217,7 @@ def hit_reduced(**fields: Any) -> None:
 
 def wait_bound_exceeded(**fields: Any) -> None:
     """A request's offload wait made no progress within the wait bound
-    (:mod:`kvguard.guards.wait_bound`): wait, action, policy, request_id,
+    (:mod:`kvguard.guards.checks.wait_bound`): wait, action, policy, request_id,
     stale_observations, stale_seconds, ready_hit_tokens (a cut lookup)."""
     _emit("warning", names.EVENT_WAIT_BOUND_EXCEEDED, fields)
 

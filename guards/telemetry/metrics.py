@@ -19,7 +19,7 @@ Two backends behind one interface (:class:`GuardMetrics`):
 
 Every child over the closed label sets of :mod:`kvguard.guards.names` is created up front, so
 each series exists (at 0) from the first scrape. Label values outside those sets raise
-``ValueError`` (callers in ``kvguard.guards.runtime`` turn that into a guard-error count).
+``ValueError`` (callers in ``kvguard.guards.policy.runtime`` turn that into a guard-error count).
 
 =========================================================  =========  ==========================
 metric                                                     type       labels
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.sites import known_site_ids
+from kvguard.guards.hooking.sites import known_site_ids
 
 __all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTIPROCESS_MODE"]
 
@@ -105,7 +105,7 @@ class _MmapBackend:
 
         self._MmapedDict = MmapedDict
         self._key = mmap_key
-        from kvguard.guards.statefile import DIR_MODE
+        from kvguard.guards.telemetry.statefile import DIR_MODE
 
         self._dir = Path(directory)
         if not self._dir.is_dir():
@@ -132,7 +132,7 @@ class _MmapBackend:
             self._tag = f"{pid}-{int(time.time() * 1000)}"
         f = self._files.get(prefix)
         if f is None:
-            from kvguard.guards.statefile import FILE_MODE
+            from kvguard.guards.telemetry.statefile import FILE_MODE
 
             path = self._dir / f"{prefix}_{self._tag}.db"
             f = self._files[prefix] = self._MmapedDict(str(path))
@@ -234,7 +234,7 @@ class _RegistryBackend:
 
 
 class GuardMetrics:
-    """The metrics sink of :mod:`kvguard.guards.runtime` (and of ``kvguard.guards.fatal``).
+    """The metrics sink of :mod:`kvguard.guards.policy.runtime` (and of ``kvguard.guards.policy.fatal``).
 
     ``state_dir``: when given, multiprocess files go to ``state_dir/metrics/`` (created);
     otherwise ``registry`` (default: prometheus_client's ``REGISTRY``) holds them. Use
@@ -275,7 +275,7 @@ class GuardMetrics:
     def evaluations(self, check: str, amount: int) -> None:
         """Add ``amount`` evaluations of ``check``; ValueError for an unknown check.
 
-        :mod:`kvguard.guards.runtime` calls it for :data:`kvguard.guards.names.EVALUATED_CHECKS` only
+        :mod:`kvguard.guards.policy.runtime` calls it for :data:`kvguard.guards.names.EVALUATED_CHECKS` only
         (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
         created at 0 and stays there, because a passing vLLM assert is not counted.
         """
@@ -331,9 +331,9 @@ class GuardMetrics:
 
     def engine_fatal(self, exception: str) -> None:
         """Count a fatal EngineCore exception by its class name (``exception`` label, through
-        :func:`kvguard.guards.statefile.exception_label`: the fatal record's own field, at
+        :func:`kvguard.guards.telemetry.statefile.exception_label`: the fatal record's own field, at
         most ``MAX_LABEL_CHARS`` characters and a Python identifier)."""
-        from kvguard.guards.statefile import exception_label
+        from kvguard.guards.telemetry.statefile import exception_label
 
         self._b.counter(names.METRIC_ENGINE_FATAL, {names.LABEL_EXCEPTION: exception_label(str(exception))}, 1)
 

@@ -3,7 +3,7 @@
 When EngineCore dies of an exception, vLLM logs it, sends ``ENGINE_CORE_DEAD`` to the
 API server, and the API server exits with status 0: nothing outside the process learns
 *why*. This module writes the cause to ``$KVGUARD_STATE_DIR/fatal/<pid>.json``
-(:mod:`kvguard.guards.statefile`, atomic) and counts ``kvguard_engine_fatal_total{exception}``,
+(:mod:`kvguard.guards.telemetry.statefile`, atomic) and counts ``kvguard_engine_fatal_total{exception}``,
 so ``kvguard run`` can exit non-zero with the cause and the sidecar can report it.
 
 Hooks (wrapt, installed by a post-import hook on ``vllm.v1.engine.core``, so the module
@@ -31,8 +31,8 @@ is never imported just for this), read from ``vllm/v1/engine/core.py`` of vLLM 0
   EngineCore loads the plugin.
 
 The record names the process by the title vLLM gave it (``process``: ``EngineCore_DP1``
-for ``VLLM::EngineCore_DP1``, :func:`kvguard.guards.statefile.own_process_name`), so a
-death in one of several ranks says which. The offload check site comes from :func:`kvguard.guards.runtime.last_failed_site` when the
+for ``VLLM::EngineCore_DP1``, :func:`kvguard.guards.telemetry.statefile.own_process_name`), so a
+death in one of several ranks says which. The offload check site comes from :func:`kvguard.guards.policy.runtime.last_failed_site` when the
 failure came from one. Every hook calls through to vLLM whatever happens here: a
 recording error is swallowed (and counted as ``kvguard_guard_errors_total{stage="fatal"}``
 where possible); the recorder never raises and never changes vLLM's exception.
@@ -50,7 +50,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvguard.guards.statefile import FatalRecord, StateDir, own_process_name, write_fatal_record
+from kvguard.guards.telemetry.statefile import FatalRecord, StateDir, own_process_name, write_fatal_record
 
 __all__ = ["install", "installed", "record_exception", "sweep_dead_processes", "uninstall"]
 
@@ -90,7 +90,7 @@ def _vllm_version() -> str:
 def _count_guard_error() -> None:
     try:
         from kvguard.guards import names
-        from kvguard.guards.metrics import get_metrics
+        from kvguard.guards.telemetry.metrics import get_metrics
 
         if _state is not None:
             get_metrics(_state.root).guard_error(names.STAGE_FATAL)
@@ -116,7 +116,7 @@ def record_exception(exc: BaseException, phase: str | None = None) -> Path | Non
             _recorded_pid = pid
         site = None
         try:
-            from kvguard.guards import runtime
+            from kvguard.guards.policy import runtime
 
             site = runtime.last_failed_site()
         except Exception:
@@ -126,13 +126,13 @@ def record_exception(exc: BaseException, phase: str | None = None) -> Path | Non
         )
         path = write_fatal_record(state, record)
         try:
-            from kvguard.guards.metrics import get_metrics
+            from kvguard.guards.telemetry.metrics import get_metrics
 
             get_metrics(state.root).engine_fatal(record.exception)
         except Exception:
             _count_guard_error()
         try:
-            from kvguard.guards import events
+            from kvguard.guards.telemetry import events
 
             events.engine_fatal(
                 exception=record.exception,

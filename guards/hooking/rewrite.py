@@ -1,7 +1,7 @@
 """The assert -> check transformation (an AST pass modelled on pytest's assertion rewriting).
 
 Pure: works on (tree, source) and a list of :class:`SiteSpec`; imports no vLLM, no
-prometheus_client, no structlog. :mod:`kvguard.guards.instrumentor` compiles what this returns
+prometheus_client, no structlog. :mod:`kvguard.guards.hooking.instrumentor` compiles what this returns
 and swaps the code of the existing vLLM function objects.
 
 Algorithm (:class:`SiteRewriter`): for one top-level function (``func`` or
@@ -464,7 +464,7 @@ class SiteRewriter(ast.NodeTransformer):
 
 def _store_coverage_check(node: ast.Assign, spec: SiteSpec) -> list[ast.stmt]:
     """After the store drop site's ``<name> = GPULoadStoreSpec(...)``: the store coverage
-    check of the spec just built (:mod:`kvguard.guards.store_coverage`)::
+    check of the spec just built (:mod:`kvguard.guards.checks.store_coverage`)::
 
         @kvguard_exc = @kvguard_check_store(<site_id>, <name>, @kvguard_locals())
         if @kvguard_exc is not None:

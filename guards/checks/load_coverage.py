@@ -8,7 +8,7 @@ from the GPU blocks the real ``KVCacheManager`` allocated. When the two disagree
 load reads a chunk nobody looked up, and ``prepare_load`` asserts ``Block ... not found
 in cache`` (or ``not ready``) and EngineCore dies. This module computes, from the
 geometry alone, the chunks the load reads, so the hit can be checked before vLLM
-admits it (:mod:`kvguard.guards.admission`).
+admits it (:mod:`kvguard.guards.checks.admission`).
 
 Units are in the names: ``*_tokens`` are tokens; GPU blocks hold ``tokens_per_block``
 tokens; a chunk (an offloaded block; ``block_size_factor`` / ``blocks_per_chunk`` GPU
@@ -71,14 +71,14 @@ on a single state"), holds with room to spare (check ``mamba_state_limit``). In
 ``mamba_cache_mode="align"`` vLLM's lookup rounds the hit down to a multiple of the Mamba
 group's chunk (``_mamba_align_size``: ``scheduler.py:939`` in 0.34.0, ``:879`` in 0.33.0),
 so there the chunk read is the hit's last; a partial-tail hit (0.33+) loads a boundary key instead and is not modelled
-(:mod:`kvguard.guards.admission` skips it).
+(:mod:`kvguard.guards.checks.admission` skips it).
 
 Tested against the real ``KVCacheManager`` and ``update_state_after_alloc`` over many
 geometries in ``tests/vllm/test_load_coverage_vllm.py`` (the chunk set of the real load
 job equals :func:`load_chunks`; Mamba groups in both cache modes), and by brute force in
 ``tests/guards/test_load_coverage.py``. Other group kinds (e.g. ``ChunkedLocalAttentionSpec``,
 whose manager skips ``n // attention_chunk_size * attention_chunk_size`` tokens) are not
-modelled: :class:`GroupGeometry` has no such kind, and :mod:`kvguard.guards.admission`
+modelled: :class:`GroupGeometry` has no such kind, and :mod:`kvguard.guards.checks.admission`
 skips the check for a connector scheduler that has one (``kvguard_check_skipped_total``).
 """
 
@@ -88,7 +88,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvguard.guards.invariants import cdiv
+from kvguard.guards.checks.invariants import cdiv
 
 
 class Unsupported(Exception):
@@ -96,8 +96,8 @@ class Unsupported(Exception):
     what it needs (message: what). ``reason``: one of
     :data:`kvguard.guards.names.SKIP_REASONS`, the ``reason`` label of
     ``kvguard_check_skipped_total`` (not a guard error: nothing in kvguard failed).
-    Raised by the admission check (``kvguard.guards.admission``, which re-exports it) and
-    met by the store check (``kvguard.guards.runtime``): defined here, a module both can
+    Raised by the admission check (``kvguard.guards.checks.admission``, which re-exports it) and
+    met by the store check (``kvguard.guards.policy.runtime``): defined here, a module both can
     import (admission imports runtime)."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -277,7 +277,7 @@ def longest_hit(
     longest shorter one that ends on a chunk boundary of every group (a multiple of the lcm
     of the groups' ``tokens_per_chunk``) and is at least one such step long; 0 when none
     is. :func:`longest_loadable_hit` with its own ``ok``; the admission check also asks
-    copy coverage (:mod:`kvguard.guards.copy_ledger`) in ``ok``."""
+    copy coverage (:mod:`kvguard.guards.checks.copy_ledger`) in ``ok``."""
     if not groups:
         return num_cached_tokens - num_computed_tokens
     if ok(num_cached_tokens):

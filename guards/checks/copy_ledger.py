@@ -5,7 +5,7 @@ that a load of an offload hit writes holds KV that a store really copied into th
 slot from the GPU block holding those positions.** A load writes exactly the GPU blocks
 ``[start, cdiv(num_cached_tokens, tokens_per_block))`` of each KV cache group, ``start``
 the first block that is neither a local prefix-cache block nor one the group's manager
-skips (:func:`kvguard.guards.load_coverage.load_chunk_bounds`), and every one of them lies
+skips (:func:`kvguard.guards.checks.load_coverage.load_chunk_bounds`), and every one of them lies
 inside the widest read range of the reader's first step: ``[0, n)`` for full attention,
 ``[n - sliding_window + 1 - reprefill, n)`` for a sliding window with ``reprefill`` up to
 ``extra_retained_tokens`` (the MTP rejection re-prefill, PR #48892), the one block holding
@@ -24,7 +24,7 @@ sub-blocks inside its window and gets KV nobody copied (0.33.0 leaves the CPU sl
 were; 0.34.0 copies the zeroed null page). Whether a sub-block is legal to leave out
 depends on the *reader*, so the store cannot judge it; the admission check can, if it
 knows which slots each chunk really holds. kvguard sees every chunk store's
-``GPULoadStoreSpec`` where vLLM builds it (:func:`kvguard.guards.runtime.check_store`), so it
+``GPULoadStoreSpec`` where vLLM builds it (:func:`kvguard.guards.policy.runtime.check_store`), so it
 keeps that knowledge here.
 
 What is kept: per connector scheduler and KV cache group, ``offload key -> mask`` for each
@@ -47,7 +47,7 @@ comparison and leaves nothing behind. Only a store that goes ahead is recorded (
   as ``ledger_full`` skips).
 
 Which slots a store writes is the copy engine's rule (``transfer_async`` in
-``vllm/v1/kv_offload/cpu/gpu_worker.py``, 0.21.0-0.34.0; :mod:`kvguard.guards.store_coverage`):
+``vllm/v1/kv_offload/cpu/gpu_worker.py``, 0.21.0-0.34.0; :mod:`kvguard.guards.checks.store_coverage`):
 the spec lists group ``g``'s ``group_sizes[g]`` block ids from logical block
 ``block_indices[g]``; ``skip = block_indices[g] % blocks_per_chunk``; id ``i`` lands in
 sub-block ``(skip + i) % blocks_per_chunk`` of the group's ``(skip + i) //
@@ -69,7 +69,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from kvguard.guards.load_coverage import load_block_bounds
+from kvguard.guards.checks.load_coverage import load_block_bounds
 
 __all__ = [
     "LEDGER_ATTR",
@@ -138,10 +138,10 @@ def first_uncopied_block(tokens_per_block: int, blocks_per_chunk: int, kept_toke
     ``num_cached_tokens`` (tokens) writes from a chunk slot no store copied, or -1.
 
     ``num_computed_tokens``: the local prefix-cache hit (tokens); ``kept_tokens``: as
-    :attr:`kvguard.guards.load_coverage.GroupGeometry.kept_tokens` (None: full attention);
+    :attr:`kvguard.guards.checks.load_coverage.GroupGeometry.kept_tokens` (None: full attention);
     ``ledger``: this group's ``key -> mask`` of partly written chunks (a key not in it was
     written whole). The loaded blocks are those of
-    :func:`~kvguard.guards.load_coverage.load_chunk_bounds`; chunks past ``offload_keys``
+    :func:`~kvguard.guards.checks.load_coverage.load_chunk_bounds`; chunks past ``offload_keys``
     are the load coverage check's business (not looked at here)."""
     bpc = blocks_per_chunk
     start, stop = load_block_bounds(tokens_per_block, kept_tokens, num_computed_tokens, num_cached_tokens)

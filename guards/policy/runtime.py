@@ -1,8 +1,8 @@
 """The policy decision of every rewritten check site, plus in-process counters.
 
-Rewritten vLLM code (see :mod:`kvguard.guards.rewrite`) reaches this module through names that
+Rewritten vLLM code (see :mod:`kvguard.guards.hooking.rewrite`) reaches this module through names that
 cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_locals``, ...), injected into
-the target module's globals by :mod:`kvguard.guards.instrumentor`:
+the target module's globals by :mod:`kvguard.guards.hooking.instrumentor`:
 
 - a passing plain assert never reaches kvguard: it costs exactly vLLM's own assert (the
   test and one conditional jump);
@@ -31,7 +31,7 @@ Policies (``../shared/DESIGN.md``):
               load (e.g. #43884's ``num_locally_computed_tokens`` bound in
               ``update_state_after_alloc``) fails that request alone with ``FINISHED_ERROR``,
               its blocks freed, no load issued (action ``request_failed``,
-              :mod:`kvguard.guards.degrade`). Any other failure (not tied to one store or one
+              :mod:`kvguard.guards.policy.degrade`). Any other failure (not tied to one store or one
               request) is counted, logged and re-raised. The Mamba single-state limit stays
               exactly vLLM's (raised). Guard never raises where vLLM's own assert passes.
 ``strict``    exact invariants on top of vLLM's: any failure of either raises.
@@ -58,11 +58,13 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from kvguard.guards import copy_ledger, invariants, names
-from kvguard.guards.rewrite import GLOBAL_FAIL_REQUEST
-from kvguard.guards.load_coverage import Unsupported
-from kvguard.guards.store_coverage import GroupStore, group_store_problems
-from kvguard.guards.sites import KIND_WINDOW, Site
+from kvguard.guards.checks import copy_ledger, invariants
+
+from kvguard.guards import names
+from kvguard.guards.hooking.rewrite import GLOBAL_FAIL_REQUEST
+from kvguard.guards.checks.load_coverage import Unsupported
+from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems
+from kvguard.guards.hooking.sites import KIND_WINDOW, Site
 
 __all__ = [
     "StoreDropped",
@@ -97,7 +99,7 @@ class RequestFailed(AssertionError):
 
     The rewritten request-scoped method (``update_state_after_alloc``) catches it around
     its whole body and returns before it issued the request's load; the request was
-    registered with :mod:`kvguard.guards.degrade`, which finishes it with
+    registered with :mod:`kvguard.guards.policy.degrade`, which finishes it with
     ``FINISHED_ERROR`` at the next ``update_from_output``. An ``AssertionError`` so that
     any other caller sees exactly vLLM's exception type.
     """
@@ -183,8 +185,8 @@ def configure(
 ) -> dict[str, Any]:
     """Set the sinks and policy; returns the previous values (pass them back to restore).
 
-    ``metrics`` needs the methods of :class:`kvguard.guards.metrics.GuardMetrics`, ``events`` those
-    of :mod:`kvguard.guards.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
+    ``metrics`` needs the methods of :class:`kvguard.guards.telemetry.metrics.GuardMetrics`, ``events`` those
+    of :mod:`kvguard.guards.telemetry.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
     an unknown policy.
     """
     global _metrics, _events, _policy, _vllm_version
@@ -306,7 +308,7 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
     elif site.check == names.CHECK_STORE_KEYS_CONSISTENCY and holder.f_code in STORE_BUILDER_CODES:
         action = names.ACTION_STORE_DROPPED  # the assert is in the store builder's request loop
     elif site.request_scoped and GLOBAL_FAIL_REQUEST in holder.f_code.co_names:
-        from kvguard.guards import degrade
+        from kvguard.guards.policy import degrade
 
         rid = _request_id(context)
         error = _failure_text(site, msg)
@@ -369,7 +371,7 @@ def _failure_text(site: _SiteRT, msg: Any) -> str:
 
 
 def _site_registry_entry(site_id: str) -> Any:
-    from kvguard.guards import sites as site_registry
+    from kvguard.guards.hooking import sites as site_registry
 
     return site_registry.registered(site_id)
 
@@ -378,9 +380,9 @@ def fail_request(site_id: str, context: dict[str, Any]) -> None:
     """Called by a rewritten request-scoped method after :class:`RequestFailed`, with its
     ``locals()``, as it returns early (before it issued the request's load). The
     decision and the binding were made in :func:`check`; this confirms that the method
-    really stopped, for :mod:`kvguard.guards.degrade`. Never raises (``stage="request_fail"``)."""
+    really stopped, for :mod:`kvguard.guards.policy.degrade`. Never raises (``stage="request_fail"``)."""
     try:
-        from kvguard.guards import degrade
+        from kvguard.guards.policy import degrade
 
         degrade.method_returned(_request_id(context))
     except Exception as error:
@@ -548,7 +550,7 @@ _drop_check: str | None = None
 
 
 def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseException | None:
-    """The store coverage check (:mod:`kvguard.guards.store_coverage`) of the
+    """The store coverage check (:mod:`kvguard.guards.checks.store_coverage`) of the
     ``GPULoadStoreSpec`` the store builder just built; returns the exception to raise, or None.
 
     ``spec``: the spec (``block_ids``, ``group_sizes``, ``block_indices``: GPU block ids
@@ -614,7 +616,7 @@ def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], 
     cs = context["self"]
     geometries = cs.__dict__.get("_kvguard_store_geometry")
     if geometries is None:
-        from kvguard.guards import admission
+        from kvguard.guards.checks import admission
 
         geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
     # vLLM keeps the ids as a numpy array (0.21-0.34): tolist() gives plain ints at once;
@@ -637,7 +639,7 @@ def _spec_groups(spec: Any, block_ids: list[int]) -> Iterator[tuple[int, int, li
 
 
 def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> None:
-    """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.copy_ledger`),
+    """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.checks.copy_ledger`),
     for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
     keys the manager will write); without it the ledger is marked unreadable for this
     scheduler, and the admission check skips copy coverage there (counted)."""
@@ -665,7 +667,7 @@ def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ..
 
 
 def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> list[str]:
-    """Per KV cache group of the spec, :func:`kvguard.guards.store_coverage.group_store_problems`
+    """Per KV cache group of the spec, :func:`kvguard.guards.checks.store_coverage.group_store_problems`
     (prefixed ``group <g>:``); groups with no block in this store are skipped."""
     req_status = context["req_status"]
     num_tokens = int(req_status.req.num_tokens)
@@ -758,7 +760,7 @@ def reset() -> None:
         for d in (_evals, _tolerated, _violations, _max_pending, _bound, _guard_errors):
             d.clear()
         _last_failed_site = None
-    from kvguard.guards import degrade
+    from kvguard.guards.policy import degrade
 
     degrade.reset()
 

@@ -3,9 +3,9 @@
 When a request-scoped assert of the offload scheduler fails under ``guard`` (an assert
 of ``update_state_after_alloc`` that runs before the method issues the request's load,
 e.g. the ``num_locally_computed_tokens`` bound of vLLM #43884 / #50454 / #52807;
-:mod:`kvguard.guards.sites` marks them), :func:`kvguard.guards.runtime.check` decides
+:mod:`kvguard.guards.hooking.sites` marks them), :func:`kvguard.guards.policy.runtime.check` decides
 ``request_failed`` and calls :func:`register_failure`; the rewritten method then
-returns early (:class:`kvguard.guards.runtime.RequestFailed`), so its load job is never
+returns early (:class:`kvguard.guards.policy.runtime.RequestFailed`), so its load job is never
 built: ``prepare_load`` did not run, nothing was added to the connector's load jobs.
 
 What this module does with the request, modelled on vLLM's own failure path
@@ -84,7 +84,7 @@ def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, erro
     ``WAITING_FOR_REMOTE_KVS`` request whose load is still in flight keeps its blocks until
     the worker reports the transfer, exactly as when a client aborts it) and its client
     gets an output with the ``error`` finish reason. Used by the wait bound
-    (:mod:`kvguard.guards.wait_bound`). Returns False (nothing done) when either scheduler
+    (:mod:`kvguard.guards.checks.wait_bound`). Returns False (nothing done) when either scheduler
     is None; never raises.
     """
     return _register(scheduler, connector_scheduler, request_id, error, keep_status=True)
@@ -94,7 +94,7 @@ def _register(scheduler: Any, connector_scheduler: Any, request_id: str, error: 
     """Queue ``request_id`` of ``scheduler`` to be finished with ``FINISHED_ERROR`` at its next
     ``update_from_output`` (wrapping it and ``connector_scheduler.build_connector_meta`` once);
     False when either scheduler is None or kvguard failed (counted). Never raises."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     try:
         if scheduler is None or connector_scheduler is None:
@@ -136,10 +136,10 @@ def register_failure(request_id: str, error: str, site_id: str, frame: FrameType
     """Bind a failed request-scoped assert (in ``frame``) to its request and scheduler.
 
     Returns True when the request will be failed alone (the caller then raises
-    :class:`~kvguard.guards.runtime.RequestFailed`), False when it cannot be tied to one
+    :class:`~kvguard.guards.policy.runtime.RequestFailed`), False when it cannot be tied to one
     request of one scheduler (the caller re-raises vLLM's AssertionError). Never raises.
     """
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     try:
         scheduler = find_scheduler(frame.f_back, request_id)
@@ -205,7 +205,7 @@ def _wrap_update_from_output(scheduler: Any) -> None:
 
 def _finish_pending(scheduler: Any) -> list[Any]:
     """Finish this scheduler's failed requests with FINISHED_ERROR; returns them."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     with _lock:
         pending = _pending.pop(id(scheduler), {})
@@ -240,7 +240,7 @@ def _finish_pending(scheduler: Any) -> list[Any]:
 
 def _emit_outputs(outputs: Any, requests: list[Any]) -> None:
     """Append one ``EngineCoreOutput`` per failed request, as vLLM's load-failure path."""
-    from kvguard.guards import runtime
+    from kvguard.guards.policy import runtime
 
     try:
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs

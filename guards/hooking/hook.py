@@ -51,7 +51,7 @@ class GuardFinder(importlib.abc.MetaPathFinder):
     """A meta-path finder for the modules a scope rule accepts.
 
     ``modules``: a predicate ``accept(dotted_name) -> bool`` (kvguard's scope rule,
-    :func:`kvguard.guards.sites.in_scope`) or an exact set of dotted names; ``prefixes``:
+    :func:`kvguard.guards.hooking.sites.in_scope`) or an exact set of dotted names; ``prefixes``:
     the early bail-out, every other name costs one ``str.startswith``;
     ``on_loaded(module)``: called once each module's body has run; ``on_error(exc)``:
     called when ``on_loaded`` raised (the import still succeeds). ``lookups`` counts the

@@ -6,17 +6,17 @@
   whose bytes match its ``.sha256`` needs no network). ``pip download --no-binary`` is
   not used: it would build the sdist's metadata, which needs torch.
 - :func:`sdist_package_sources` / :func:`installed_package_sources`: ``{module: source}``
-  for every module of the offload packages (:func:`kvguard.guards.sites.in_offload_packages`,
+  for every module of the offload packages (:func:`kvguard.guards.hooking.sites.in_offload_packages`,
   worker modules included: the scope rule's by-import part reads their imports), read
   from the tarball or from the installed package's files (nothing is imported);
   :func:`sdist_offload_sources` / :func:`installed_offload_sources`: the same, kept to
   the modules kvguard's scope rule accepts (:func:`offload_scope`: the by-name rule plus
-  :func:`kvguard.guards.sites.worker_side_modules` over those sources, the one rule of the
+  :func:`kvguard.guards.hooking.sites.worker_side_modules` over those sources, the one rule of the
   live install and the release matrix); :func:`installed_module_source`: one installed
   module's source, likewise.
 - :func:`asserted_window_bound`: the bound the release's own window assert computes for
   a geometry, by evaluating that assert's bound expression (found by
-  :func:`kvguard.guards.sites.discover`) with the window in chunks from the release's own
+  :func:`kvguard.guards.hooking.sites.discover`) with the window in chunks from the release's own
   ``get_sliding_window_size_in_*`` function: never a version cutoff.
 
 Stdlib only.
@@ -37,8 +37,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvguard.guards.invariants import cdiv
-from kvguard.guards.sites import (
+from kvguard.guards.checks.invariants import cdiv
+from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
     SCOPE_PACKAGES,
     SPECIAL_WINDOW,
@@ -195,7 +195,7 @@ def _module_name(rel: str) -> str | None:
 def offload_scope(package_sources: dict[str, str]) -> tuple[dict[str, str], frozenset[str]]:
     """``(in-scope sources, worker-side modules)`` of one release's offload-package sources
     (:func:`sdist_package_sources` or :func:`installed_package_sources`): the scope rule
-    of :mod:`kvguard.guards.sites`, by name and by import. Pure."""
+    of :mod:`kvguard.guards.hooking.sites`, by name and by import. Pure."""
     worker_side = worker_side_modules(package_sources)
     return {m: src for m, src in package_sources.items() if in_scope(m, worker_side)}, worker_side
 

@@ -2,7 +2,7 @@
 
 Where the connector answers ``OffloadingConnectorScheduler.get_num_new_matched_tokens
 (request, num_computed_tokens, ...)`` with ``(num_external_tokens, load_async)``, kvguard
-computes the chunks the load of that hit will read (:mod:`kvguard.guards.load_coverage`)
+computes the chunks the load of that hit will read (:mod:`kvguard.guards.checks.load_coverage`)
 and asks the offload manager, without side effects, whether each one is present and
 ready. The check runs once per lookup with a hit (``num_external_tokens`` > 0).
 
@@ -15,7 +15,7 @@ after the source of that ``get`` is verified to be a single ``return`` of dict
 its ``is_ready`` is true.
 
 What kvguard cannot model or read is skipped, not an error: a connector
-scheduler with a KV cache group of a kind :mod:`~kvguard.guards.load_coverage` does not
+scheduler with a KV cache group of a kind :mod:`~kvguard.guards.checks.load_coverage` does not
 model (reason ``group_kind``; modelled: full attention, sliding window, Mamba), with a
 manager whose cache policy has not the structure above (``offload_manager``: a custom
 ``OffloadingManager``, or a test double), or whose config lacks what the plan reads
@@ -29,7 +29,7 @@ only exceptions inside kvguard's code (``KVGuardGuardErrors`` pages on those alo
 What is read: every chunk of a sliding-window group's load set (at most
 ``cdiv(sliding_window + extra_retained_tokens, tokens_per_chunk) + 1`` chunks), the one
 chunk of a Mamba group's load set (the chunk holding the state at the hit's end,
-``(num_cached_tokens - 1) // tokens_per_chunk``: :mod:`~kvguard.guards.load_coverage`
+``(num_cached_tokens - 1) // tokens_per_chunk``: :mod:`~kvguard.guards.checks.load_coverage`
 derives it from ``MambaManager``), and the first and last chunk of a full-attention
 group's load set. The interior of a
 full-attention load set is what vLLM's own lookup has just confirmed: in 0.21.0-0.33.0
@@ -56,7 +56,7 @@ harness moves the load set left of the window the lookup confirmed.
 Where the check runs: in vLLM's own lookup. The instrumentor rewrites each
 ``return <answer>`` of ``get_num_new_matched_tokens`` into ``return
 admit_return(self, request, num_computed_tokens, <answer>)`` (the ``admission_return``
-kind of :mod:`kvguard.guards.rewrite`, compiled with the function's other sites, vLLM's
+kind of :mod:`kvguard.guards.hooking.rewrite`, compiled with the function's other sites, vLLM's
 file and lines kept), so a lookup pays one call and no wrapper frame, no ``wrapt`` proxy
 and no argument binding (on the bench trace of 0.33.0, 3 Dec 2026, ``bench/step_toggle.py``:
 the admission part +2.6% of the median step through the pre-bound ``wrapt`` wrapper, +0.3%
@@ -77,7 +77,7 @@ GPU blocks fit (the head of the queue: 1,424 of the 1,624 checked lookups of the
 trace on 0.33.0, 3 Dec 2026). A loadable verdict is kept per request with
 ``(epoch, the request's offload status object, num_computed_tokens, hit)`` and reused
 (counted ``reused``, no entry read) while all four are the same; ``epoch`` counts the
-cache policy's calls that may take an entry out (:mod:`kvguard.guards.tier_removals`,
+cache policy's calls that may take an entry out (:mod:`kvguard.guards.checks.tier_removals`,
 derived from the policy's source; read before any entry is read). Sound because a ready
 entry stays ready until it is removed, and a removal bumps the epoch: proven on every
 full release by ``tests/vllm/test_admission_verdicts.py`` (a full tier's eviction and
@@ -106,7 +106,7 @@ and vLLM's answer passes through. Passed through without a count: a deferred ans
 (``None``) without vLLM's tiering and a hit of 0 (nothing to check). Passed through and
 counted as skipped (``reason="partial_tail"``): a 0.33+ partial-tail hit
 (``partial_tail_boundary`` set: its boundary key is not a chunk of
-:mod:`~kvguard.guards.load_coverage`).
+:mod:`~kvguard.guards.checks.load_coverage`).
 
 Promotion fit (check ``promotion_fit``): a deferred hit under vLLM's tiering
 ------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ connector's lookup the manager's ``lookup`` is recorded per offload key
 (:func:`record_lookup`: an instance attribute for the length of that one call, nothing
 else changed); a chunk counts as found when the manager answered HIT or HIT_PENDING, or
 RETRY and it now has a CPU entry (a started promotion). The waited-for hit is the
-longest hit whose whole load set was found (:func:`~kvguard.guards.load_coverage.longest_loadable_hit`
+longest hit whose whole load set was found (:func:`~kvguard.guards.checks.load_coverage.longest_loadable_hit`
 over the found chunks, up to ``min(num_tokens - 1, len(offload_keys) * tokens_per_chunk)``);
 its load set is a lower bound of what the lookup waits for. A deferral for the
 request's own transfers in flight (``transfer_jobs``, no lookup ran) is not checked.
@@ -186,7 +186,7 @@ request's own transfers in flight (``transfer_jobs``, no lookup ran) is not chec
 ============  ==========================================================================
 
 Why the reduced answer is safe: it is built of chunks that are ready in the CPU tier
-(the load-set rule of :mod:`~kvguard.guards.load_coverage`), and vLLM's scheduler calls
+(the load-set rule of :mod:`~kvguard.guards.checks.load_coverage`), and vLLM's scheduler calls
 ``update_state_after_alloc`` (``prepare_load`` pins them) right after allocating that
 request's blocks, with no other lookup in between; for a deferred answer vLLM's
 ``get_num_new_matched_tokens`` already set ``num_locally_computed_tokens``, cleared
@@ -209,10 +209,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.guards import copy_ledger, names, runtime, wait_bound
-from kvguard.guards.rewrite import GLOBAL_ADMIT_RETURN, GLOBAL_CHECK_STORE, keyword_argument_names
-from kvguard.guards.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
-from kvguard.guards.load_coverage import (  # Unsupported: defined there, raised here too
+from kvguard.guards.checks import copy_ledger, wait_bound
+
+from kvguard.guards import names
+
+from kvguard.guards.policy import runtime
+from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN, GLOBAL_CHECK_STORE, keyword_argument_names
+from kvguard.guards.checks.tier_removals import Epoch, unwatch_all as unwatch_removals, watch as _watch_removals
+from kvguard.guards.checks.load_coverage import (  # Unsupported: defined there, raised here too
     GroupGeometry,
     Unsupported,
     load_set,
@@ -260,7 +264,7 @@ _FULL = os.environ.get("KVGUARD_ADMISSION_FULL", "") == "1"
 
 def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True,
               promotion_progress: bool = True) -> None:
-    """Set the metrics sink (a :class:`kvguard.guards.metrics.GuardMetrics`) and events
+    """Set the metrics sink (a :class:`kvguard.guards.telemetry.metrics.GuardMetrics`) and events
     module; ``promotion_fit`` / ``promotion_progress`` False turns that check of deferred
     tiered hits off (their kill switches)."""
     global _metrics, _events, _promotion_fit, _promotion_progress
@@ -363,7 +367,7 @@ def _bump(key: str, amount: int = 1) -> None:
 class _Plan:
     groups: tuple[GroupGeometry, ...]
     #: per group ``(tokens_per_block, blocks_per_chunk, tokens_per_chunk, kept tokens)``,
-    #: :attr:`~kvguard.guards.load_coverage.GroupGeometry.kept_tokens`: ``sliding_window_tokens
+    #: :attr:`~kvguard.guards.checks.load_coverage.GroupGeometry.kept_tokens`: ``sliding_window_tokens
     #: - 1 + extra_retained_tokens`` for a window, 1 for a Mamba group, None for full attention
     fast: tuple[tuple[int, int, int, int | None], ...]
     #: the cache policy and, when its ``get`` reads exactly one dict, that dict's attribute
@@ -478,8 +482,8 @@ def _plan(cs: Any) -> _Plan:
 
 def _stores_recorded(cls: type) -> bool:
     """Whether a method of ``cls`` (or a base) calls kvguard's store check: the instrumentor
-    rewrote its store builder (the ``store_drop`` site of :mod:`kvguard.guards.sites`), so every
-    chunk store's spec reaches the copy ledger (:func:`kvguard.guards.runtime.check_store`).
+    rewrote its store builder (the ``store_drop`` site of :mod:`kvguard.guards.hooking.sites`), so every
+    chunk store's spec reaches the copy ledger (:func:`kvguard.guards.policy.runtime.check_store`).
     Read off the compiled code's names, so a release whose builder was not rewritten is
     seen as such, whatever the reason."""
     for klass in cls.__mro__:
@@ -491,9 +495,9 @@ def _stores_recorded(cls: type) -> bool:
 
 
 def group_geometries(cs: Any) -> tuple[GroupGeometry, ...]:
-    """Each offloaded KV cache group's geometry (:class:`~kvguard.guards.load_coverage.GroupGeometry`),
+    """Each offloaded KV cache group's geometry (:class:`~kvguard.guards.checks.load_coverage.GroupGeometry`),
     in the connector's group order (``config.kv_group_configs``), read off the connector
-    scheduler ``cs`` (also used by the store coverage check, :func:`kvguard.guards.runtime.check_store`).
+    scheduler ``cs`` (also used by the store coverage check, :func:`kvguard.guards.policy.runtime.check_store`).
 
     Raises:
         Unsupported: the config lacks what is read (reason ``connector_config``), or a
@@ -650,7 +654,7 @@ def _span_loadable(get: Callable[[Any], Any], span: Any) -> bool:
 # -- the check -------------------------------------------------------------------------
 def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
     """Check vLLM's lookup ``answer`` for ``request`` (:func:`_admit`), then give the result
-    to the wait bound (:mod:`kvguard.guards.wait_bound`): a deferred answer (``None``) is an
+    to the wait bound (:mod:`kvguard.guards.checks.wait_bound`): a deferred answer (``None``) is an
     observation of the request's wait (which, stalled, may end it: a reduced answer under
     ``guard``), a number ends a deferral, an async load is watched until it is promoted.
     Raises ``AssertionError`` only under ``strict``.
@@ -689,7 +693,7 @@ def _admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: d
     docstring), which under ``guard`` may answer ``(reduced, reduced > 0)`` instead.
     Raises ``AssertionError`` only under ``strict``.
 
-    The per-group chunk bounds are :func:`kvguard.guards.load_coverage.load_chunk_bounds`
+    The per-group chunk bounds are :func:`kvguard.guards.checks.load_coverage.load_chunk_bounds`
     written out inline (a Python call per group cost more than the arithmetic; the two
     are compared over every small geometry in ``tests/guards/test_load_coverage.py``).
     """
@@ -1202,7 +1206,7 @@ def _ready_pred(cs: Any, group_states: Any, get: Any) -> Callable[[int, int], bo
 def _ready_hit(cs: Any, plan: _Plan, group_states: Any, get: Any, num_computed_tokens: int, target: int) -> int:
     """The longest hit (tokens beyond ``num_computed_tokens``, at most ``target``) whose
     load set is ready in the CPU tier now (:func:`_ready_pred`) and whose copies are
-    covered (:mod:`kvguard.guards.copy_ledger`); 0 when none is."""
+    covered (:mod:`kvguard.guards.checks.copy_ledger`); 0 when none is."""
     ready = _ready_pred(cs, group_states, get)
     copies = _copies_ok(plan, cs.__dict__.get(_LEDGER_ATTR), group_states, num_computed_tokens)
 
@@ -1222,7 +1226,7 @@ def _awaited_end(plan: _Plan, group_states: Any, request: Any) -> int:
 
 
 def _wait_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
-    """The wait bound of a deferred answer (:mod:`kvguard.guards.wait_bound`): observe the
+    """The wait bound of a deferred answer (:mod:`kvguard.guards.checks.wait_bound`): observe the
     deferral with its progress measure (ready chunks of the awaited load set; 0 when the
     request's own transfers are in flight or the plan cannot be read) and, when the wait
     is stalled, act (guard: the longest ready hit, or the request failed alone)."""
@@ -1343,7 +1347,7 @@ _suspended = 0
 def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
     """The admission check where vLLM's rewritten lookup calls it: on each ``return`` of
     ``get_num_new_matched_tokens`` (the ``admission_return`` rewrite of
-    :mod:`kvguard.guards.rewrite`: no wrapper frame, no argument binding).
+    :mod:`kvguard.guards.hooking.rewrite`: no wrapper frame, no argument binding).
 
     ``cs``, ``request``, ``num_computed_tokens``: the method's own ``self`` and arguments
     (tokens); ``answer``: the ``(num_external_tokens | None, load_async)`` it is returning.
@@ -1413,7 +1417,7 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     tiering manager: there vLLM's method runs inside :func:`record_lookup` and the
     answer goes to the promotion-fit check. A binding error counts ``stage="admission"``
     and returns vLLM's answer. The fallback where the ``admission_return`` rewrite does not
-    apply (:func:`kvguard.guards.rewrite.admission_return_names`): a lookup that rebinds
+    apply (:func:`kvguard.guards.hooking.rewrite.admission_return_names`): a lookup that rebinds
     its arguments, or whose parameters are named otherwise.
     """
     if instance is None:
@@ -1497,7 +1501,7 @@ def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 def detach_all() -> None:
     """Remove every instance-level wrapper :func:`attach` set (vLLM's lookup is the class's
     method again on those schedulers) and the cache policies' removal counters
-    (:func:`kvguard.guards.tier_removals.unwatch_all`: no kept verdict is reused after)."""
+    (:func:`kvguard.guards.checks.tier_removals.unwatch_all`: no kept verdict is reused after)."""
     for cs in list(_attached):
         attr = cs.__dict__.get("get_num_new_matched_tokens")
         if getattr(attr, "_self_wrapper", None) in (admission_wrapper, recording_wrapper):

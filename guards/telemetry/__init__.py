@@ -1,0 +1,2 @@
+"""What kvguard reports: Prometheus metrics (multiprocess files), structlog events, the
+state directory the sidecar reads (fatal records, heartbeats)."""
