@@ -64,13 +64,13 @@ class _Removals:
 
     @classmethod
     def of(cls, cs) -> "_Removals | None":
-        from kvguard.guards.checks import admission, tier_removals
+        from kvguard.guards.checks import offload_plan, tier_removals
 
-        plan = cs.__dict__.get(admission._PLAN_ATTR)
+        plan = cs.__dict__.get(offload_plan.PLAN_ATTR)
         if plan is None or getattr(plan, "epoch", None) is None:
             return None  # not watched yet (no hit checked so far): nothing counts
         policy = plan.policy
-        _, _, attrs = admission._policy_reader(cs.manager)
+        _, _, attrs = offload_plan.policy_reader(cs.manager)
         state = policy.__dict__
         wrappers = {name: state[name] for name in state.get(tier_removals._WRAPPED_ATTR, ())}
         return cls(policy, attrs, plan.epoch, wrappers)

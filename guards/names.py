@@ -37,7 +37,7 @@ CHECKS: tuple[str, ...] = (
     CHECK_OFFLOAD_SPEC_ASSERT,
 )
 #: The checks whose every evaluation is counted in ``kvguard_check_evaluations_total``:
-#: the exact-invariant checks of the window site, which calls ``kvguard.guards.policy.runtime.check`` on
+#: the exact-invariant checks of the window site, which calls ``kvguard.guards.checks.asserts.check`` on
 #: every evaluation anyway (the exact bound needs the geometry). Every other check
 #: (``group_sizes_consistency`` and the generic ``*_assert`` checks) is an assert rewritten
 #: failure-only: it costs exactly vLLM's own assert when it passes and is counted only when

@@ -45,8 +45,8 @@ Around each step the wrap:
    attributes on the scheduler, in both states: a closure call each);
 5. records, per step: wall time, pair, part, state, seconds (wall, CPU, scheduler wall),
    scheduled tokens and requests, waiting and running requests before the step, and the
-   kvguard work it did: admission checks (``admission._stats["evaluated"]`` delta) and
-   window-check evaluations (``runtime._evals`` total delta), which must be 0 in an off
+   kvguard work it did: admission checks (``admission.counters.stats["evaluated"]`` delta) and
+   window-check evaluations (``counts._evals`` total delta), which must be 0 in an off
    step and are the driver's proof that the toggle switches something.
 
 Only working steps (the step's ``model_executed`` is true) advance the schedule; an idle
@@ -130,7 +130,7 @@ class _Bench:
         info: dict = {"kind": "setup", "ok": False, "pid": os.getpid()}
         try:
             from kvguard.guards.checks import admission
-            from kvguard.guards.policy import runtime
+            from kvguard.guards.telemetry import counts as runtime
             from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 
             info["kvguard_file"] = sys.modules["kvguard.guards"].__file__
@@ -227,7 +227,7 @@ class _Bench:
         on = (self.slot == 0) == on_first
         if self.ready:
             self.apply(part, on)
-            stats, evals = self.admission._stats, self.runtime._evals
+            stats, evals = self.admission.counters.stats, self.runtime._evals
             checks0, evals0 = stats["evaluated"], sum(evals.values())
             sched = self.sched
             waiting, running = len(sched.waiting), len(sched.running)

@@ -24,7 +24,7 @@ sub-blocks inside its window and gets KV nobody copied (0.33.0 leaves the CPU sl
 were; 0.34.0 copies the zeroed null page). Whether a sub-block is legal to leave out
 depends on the *reader*, so the store cannot judge it; the admission check can, if it
 knows which slots each chunk really holds. kvguard sees every chunk store's
-``GPULoadStoreSpec`` where vLLM builds it (:func:`kvguard.guards.policy.runtime.check_store`), so it
+``GPULoadStoreSpec`` where vLLM builds it (:func:`kvguard.guards.checks.asserts.check_store`), so it
 keeps that knowledge here.
 
 What is kept: per connector scheduler and KV cache group, ``offload key -> mask`` for each

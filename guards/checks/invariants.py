@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-
 __all__ = [
     "cdiv",
     "swa_pending_bound",

@@ -88,8 +88,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvguard.guards.checks.invariants import cdiv
-
 
 class Unsupported(Exception):
     """The check cannot be made on this connector scheduler: kvguard cannot model or read

@@ -1,6 +1,6 @@
 """Store coverage: a chunk an offload store publishes holds every block it stands for.
 
-The invariant (checked by :func:`kvguard.guards.policy.runtime.check_store` where vLLM's
+The invariant (checked by :func:`kvguard.guards.checks.asserts.check_store` where vLLM's
 store builder constructs a store's ``GPULoadStoreSpec``): **every GPU block of a chunk that
 a store publishes is copied into that chunk's place, except blocks the request's KV cache
 manager has already skipped** (a sliding-window or Mamba group frees the blocks wholly

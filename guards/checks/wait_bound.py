@@ -100,9 +100,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvguard.guards.policy import degrade, runtime
-
 from kvguard.guards import names
+from kvguard.guards.policy import degrade, runtime
 
 __all__ = [
     "Wait",

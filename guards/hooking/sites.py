@@ -223,7 +223,7 @@ CONNECTOR_MODULE = f"{_CONNECTOR_PKG}.offloading_connector"
 SCOPE_PREFIXES: tuple[str, ...] = (CONNECTOR_MODULE, *SCOPE_PACKAGES)
 _SHORT_PREFIXES = (f"{_CONNECTOR_PKG}.", "vllm.v1.")
 
-#: The locals of the store builder that :func:`kvguard.guards.policy.runtime.drop_store` reads.
+#: The locals of the store builder that :func:`kvguard.guards.checks.asserts.drop_store` reads.
 STORE_DROP_LOCALS: tuple[str, ...] = ("self", "req_status", "keys_to_store")
 
 SPECIAL_WINDOW = "swa_pending_bound"

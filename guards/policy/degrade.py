@@ -3,7 +3,7 @@
 When a request-scoped assert of the offload scheduler fails under ``guard`` (an assert
 of ``update_state_after_alloc`` that runs before the method issues the request's load,
 e.g. the ``num_locally_computed_tokens`` bound of vLLM #43884 / #50454 / #52807;
-:mod:`kvguard.guards.hooking.sites` marks them), :func:`kvguard.guards.policy.runtime.check` decides
+:mod:`kvguard.guards.hooking.sites` marks them), :func:`kvguard.guards.checks.asserts.check` decides
 ``request_failed`` and calls :func:`register_failure`; the rewritten method then
 returns early (:class:`kvguard.guards.policy.runtime.RequestFailed`), so its load job is never
 built: ``prepare_load`` did not run, nothing was added to the connector's load jobs.
@@ -47,6 +47,7 @@ from types import FrameType
 from typing import Any
 
 from kvguard.guards import names
+from kvguard.guards.telemetry import counts
 
 __all__ = ["register_failure", "fail_waiting", "find_scheduler", "method_returned", "failed_requests", "reset"]
 
@@ -94,8 +95,6 @@ def _register(scheduler: Any, connector_scheduler: Any, request_id: str, error: 
     """Queue ``request_id`` of ``scheduler`` to be finished with ``FINISHED_ERROR`` at its next
     ``update_from_output`` (wrapping it and ``connector_scheduler.build_connector_meta`` once);
     False when either scheduler is None or kvguard failed (counted). Never raises."""
-    from kvguard.guards.policy import runtime
-
     try:
         if scheduler is None or connector_scheduler is None:
             return False
@@ -108,7 +107,7 @@ def _register(scheduler: Any, connector_scheduler: Any, request_id: str, error: 
                 _keep_status.add(request_id)
         return True
     except Exception as exc:
-        runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
+        counts.guard_error(names.STAGE_REQUEST_FAIL, exc)
         return False
 
 
@@ -139,13 +138,11 @@ def register_failure(request_id: str, error: str, site_id: str, frame: FrameType
     :class:`~kvguard.guards.policy.runtime.RequestFailed`), False when it cannot be tied to one
     request of one scheduler (the caller re-raises vLLM's AssertionError). Never raises.
     """
-    from kvguard.guards.policy import runtime
-
     try:
         scheduler = find_scheduler(frame.f_back, request_id)
         connector_scheduler = frame.f_locals.get("self")
     except Exception as exc:
-        runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
+        counts.guard_error(names.STAGE_REQUEST_FAIL, exc)
         return False
     return _register(scheduler, connector_scheduler, request_id, error, keep_status=False)
 
@@ -205,8 +202,6 @@ def _wrap_update_from_output(scheduler: Any) -> None:
 
 def _finish_pending(scheduler: Any) -> list[Any]:
     """Finish this scheduler's failed requests with FINISHED_ERROR; returns them."""
-    from kvguard.guards.policy import runtime
-
     with _lock:
         pending = _pending.pop(id(scheduler), {})
     if not pending:
@@ -234,14 +229,12 @@ def _finish_pending(scheduler: Any) -> list[Any]:
             finish(*bound.args, **bound.kwargs)
             finished.append(request)
     except Exception as exc:
-        runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
+        counts.guard_error(names.STAGE_REQUEST_FAIL, exc)
     return finished
 
 
 def _emit_outputs(outputs: Any, requests: list[Any]) -> None:
     """Append one ``EngineCoreOutput`` per failed request, as vLLM's load-failure path."""
-    from kvguard.guards.policy import runtime
-
     try:
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
@@ -261,4 +254,4 @@ def _emit_outputs(outputs: Any, requests: list[Any]) -> None:
                 outputs[client] = eco = EngineCoreOutputs()
             eco.outputs.append(out)
     except Exception as exc:
-        runtime.guard_error(names.STAGE_REQUEST_FAIL, exc)
+        counts.guard_error(names.STAGE_REQUEST_FAIL, exc)

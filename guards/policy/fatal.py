@@ -32,7 +32,7 @@ is never imported just for this), read from ``vllm/v1/engine/core.py`` of vLLM 0
 
 The record names the process by the title vLLM gave it (``process``: ``EngineCore_DP1``
 for ``VLLM::EngineCore_DP1``, :func:`kvguard.guards.telemetry.statefile.own_process_name`), so a
-death in one of several ranks says which. The offload check site comes from :func:`kvguard.guards.policy.runtime.last_failed_site` when the
+death in one of several ranks says which. The offload check site comes from :func:`kvguard.guards.telemetry.counts.last_failed_site` when the
 failure came from one. Every hook calls through to vLLM whatever happens here: a
 recording error is swallowed (and counted as ``kvguard_guard_errors_total{stage="fatal"}``
 where possible); the recorder never raises and never changes vLLM's exception.
@@ -116,9 +116,9 @@ def record_exception(exc: BaseException, phase: str | None = None) -> Path | Non
             _recorded_pid = pid
         site = None
         try:
-            from kvguard.guards.policy import runtime
+            from kvguard.guards.telemetry import counts
 
-            site = runtime.last_failed_site()
+            site = counts.last_failed_site()
         except Exception:
             site = None
         record = FatalRecord.from_exception(

@@ -1,20 +1,9 @@
-"""The policy decision of every rewritten check site, plus in-process counters.
+"""The policy in force in this process, and what each outcome of a check does under it.
 
-Rewritten vLLM code (see :mod:`kvguard.guards.hooking.rewrite`) reaches this module through names that
-cannot clash with vLLM's (``@kvguard_check``, ``@kvguard_locals``, ...), injected into
-the target module's globals by :mod:`kvguard.guards.hooking.instrumentor`:
-
-- a passing plain assert never reaches kvguard: it costs exactly vLLM's own assert (the
-  test and one conditional jump);
-- a failing assert calls :func:`check` ``(site_id, False, locals(), msg)``, which counts,
-  logs and returns the exception the rewritten code must raise, or ``None`` to continue;
-- the window site (the SWA / Mamba pending-block assert of ``update_state_after_alloc``)
-  calls :func:`check` on every evaluation, because the exact bound needs the geometry.
-
-So ``kvguard_check_evaluations_total{check}`` counts the checks of
-:data:`kvguard.guards.names.EVALUATED_CHECKS` (``swa_pending_bound``, ``mamba_state_limit``),
-one increment per evaluation; every other check is counted only when it fails, its
-evaluations series stays 0 and :func:`snapshot` reports its ``evaluated`` as None.
+The checks (:mod:`kvguard.guards.checks`) compute an invariant and ask :func:`policy` what
+to do; the degrade actions are :mod:`kvguard.guards.policy.degrade`'s; the counters and
+sinks are :mod:`kvguard.guards.telemetry.counts`' (re-exported here: :func:`snapshot`,
+:func:`guard_error`, :func:`guard_errors`, :func:`last_failed_site`).
 
 Policies (``../shared/DESIGN.md``):
 
@@ -51,37 +40,28 @@ follows (the assert's AssertionError when it failed, otherwise continue).
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from types import CodeType
 from typing import Any
 
-from kvguard.guards.checks import copy_ledger, invariants
-
 from kvguard.guards import names
-from kvguard.guards.hooking.rewrite import GLOBAL_FAIL_REQUEST
-from kvguard.guards.checks.load_coverage import Unsupported
-from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems
-from kvguard.guards.hooking.sites import KIND_WINDOW, Site
+from kvguard.guards.policy import degrade
+from kvguard.guards.telemetry import counts
+from kvguard.guards.telemetry.counts import guard_error, guard_errors, last_failed_site, snapshot
 
 __all__ = [
     "StoreDropped",
     "RequestFailed",
-    "fail_request",
-    "check",
-    "drop_store",
+    "configure",
+    "unconfigure",
+    "policy",
+    "vllm_version",
+    "suppressed",
     "snapshot",
     "reset",
-    "last_failed_site",
-    "suppressed",
-    "configure",
-    "register",
+    "guard_error",
     "guard_errors",
+    "last_failed_site",
 ]
-
-_NO_MSG: Any = object()
 
 
 class StoreDropped(AssertionError):
@@ -105,75 +85,10 @@ class RequestFailed(AssertionError):
     """
 
 
-@dataclass(frozen=True, slots=True)
-class _SiteRT:
-    site_id: str
-    check: str
-    kind: str
-    #: the window site: vLLM's own bound expression, compiled, and the module's globals
-    bound_code: CodeType | None = None
-    module_globals: dict[str, Any] | None = None
-    #: the window site: the local name of the pending GPU blocks (the assert's left side)
-    pending_name: str | None = None
-    #: store_call sites: the drop releases the prepared keys (#42945), or nothing (#49118)
-    release_keys: bool = False
-    #: generic assert of a request-scoped method before its load is issued
-    request_scoped: bool = False
-
-
-#: site id -> runtime info (filled by :func:`register` as modules are instrumented).
-_SITE_RT: dict[str, _SiteRT] = {}
-
-
-def register(sites: list[Site], module_globals: dict[str, Any] | None = None) -> None:
-    """Make discovered ``sites`` known to :func:`check` (called by the instrumentor before
-    it swaps in rewritten code). For the window site, vLLM's own bound expression
-    (:attr:`Site.bound_expr`) is compiled once, to be evaluated on the frame's locals:
-    ``vllm_bound`` is what the installed release asserts, never a version cutoff."""
-    for site in sites:
-        code = None
-        if site.kind == KIND_WINDOW and site.bound_expr:
-            code = compile(site.bound_expr, f"<vllm bound of {site.site_id}>", "eval")
-        pending = site.pending_expr if site.pending_expr and site.pending_expr.isidentifier() else None
-        _SITE_RT[site.site_id] = _SiteRT(
-            site.site_id, site.check, site.kind, code, module_globals, pending,
-            release_keys=getattr(site, "release_keys", False),
-            request_scoped=getattr(site, "request_scoped", False),
-        )
-
-_lock = threading.Lock()
-_evals: dict[str, int] = {}
-_tolerated: dict[str, int] = {}
-_violations: dict[str, int] = {}
-_max_pending: dict[str, int] = {}
-_bound: dict[str, int] = {}
-_guard_errors: dict[str, int] = {}
-_last_failed_site: str | None = None
-_suppress_depth = 0
-
-#: Code objects of rewritten ``_build_store_jobs`` (they catch StoreDropped).
-STORE_BUILDER_CODES: set[CodeType] = set()
-
-
-class _NullMetrics:
-    def evaluations(self, check: str, amount: int) -> None: ...
-    def tolerated(self, check: str) -> None: ...
-    def violation(self, check: str, action: str) -> None: ...
-    def guard_error(self, stage: str) -> None: ...
-    def swa_ratio(self, ratio: float) -> None: ...
-
-
-class _NullEvents:
-    def check_failed(self, **kw: Any) -> None: ...
-    def check_tolerated(self, **kw: Any) -> None: ...
-    def store_dropped(self, **kw: Any) -> None: ...
-    def guard_error(self, **kw: Any) -> None: ...
-
-
-_metrics: Any = _NullMetrics()
-_events: Any = _NullEvents()
 _policy: str = names.DEFAULT_POLICY
 _vllm_version: str = "unknown"
+#: > 0 inside :func:`suppressed` (read by the checks at each call)
+suppress_depth = 0
 
 
 def configure(
@@ -189,21 +104,18 @@ def configure(
     of :mod:`kvguard.guards.telemetry.events`. ``None`` leaves a value unchanged. Raises ``ValueError`` for
     an unknown policy.
     """
-    global _metrics, _events, _policy, _vllm_version
+    global _policy, _vllm_version
     previous = {
         "policy": _policy,
-        "metrics": _metrics,
-        "events": _events,
+        "metrics": counts.metrics,
+        "events": counts.events,
         "vllm_version": _vllm_version,
     }
     if policy is not None:
         if policy not in names.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
         _policy = policy
-    if metrics is not None:
-        _metrics = metrics
-    if events is not None:
-        _events = events
+    counts.set_sinks(metrics, events)
     if vllm_version is not None:
         _vllm_version = vllm_version
     return previous
@@ -211,8 +123,9 @@ def configure(
 
 def unconfigure() -> None:
     """Back to no-op sinks and the default policy (used by ``uninstall()``)."""
-    global _metrics, _events, _policy
-    _metrics, _events, _policy = _NullMetrics(), _NullEvents(), names.DEFAULT_POLICY
+    global _policy
+    counts.clear_sinks()
+    _policy = names.DEFAULT_POLICY
 
 
 def policy() -> str:
@@ -220,558 +133,24 @@ def policy() -> str:
     return _policy
 
 
+def vllm_version() -> str:
+    """The vLLM release the events name (set by :func:`configure`; ``unknown`` before)."""
+    return _vllm_version
+
+
 @contextlib.contextmanager
 def suppressed() -> Iterator[None]:
     """Inside this block every check behaves exactly like vLLM's plain assert, uncounted."""
-    global _suppress_depth
-    _suppress_depth += 1
+    global suppress_depth
+    suppress_depth += 1
     try:
         yield
     finally:
-        _suppress_depth -= 1
-
-
-def _exc(msg: Any) -> AssertionError:
-    # Exactly what a failing ``assert test`` / ``assert test, msg`` raises.
-    return AssertionError() if msg is _NO_MSG else AssertionError(msg)
-
-
-def _count_eval(check_name: str) -> None:
-    # Only the window site evaluates (about once per load of a sliding-window or Mamba
-    # group), so the metrics sink is written on every evaluation: nothing to flush later.
-    _evals[check_name] = _evals.get(check_name, 0) + 1
-    try:
-        _metrics.evaluations(check_name, 1)
-    except Exception as error:
-        guard_error(names.STAGE_METRICS, error)
-
-
-def _count_violation(site: _SiteRT, check_name: str, action: str) -> None:
-    global _last_failed_site
-    _violations[check_name] = _violations.get(check_name, 0) + 1
-    if action == names.ACTION_RAISED:
-        _last_failed_site = site.site_id
-    _metrics.violation(check_name, action)
-
-
-def _count_tolerated(check_name: str) -> None:
-    _tolerated[check_name] = _tolerated.get(check_name, 0) + 1
-    _metrics.tolerated(check_name)
-
-
-def guard_error(stage: str, error: BaseException) -> None:
-    """Count and log an exception raised inside kvguard code; never raises."""
-    _guard_errors[stage] = _guard_errors.get(stage, 0) + 1
-    try:
-        _metrics.guard_error(stage)
-    except Exception:  # pragma: no cover - last line of defence
-        pass
-    try:
-        _events.guard_error(stage=stage, error=f"{type(error).__name__}: {error}")
-    except Exception:  # pragma: no cover
-        pass
-
-
-def check(site_id: str, ok: bool, context: dict[str, Any] | None = None, msg: Any = _NO_MSG) -> BaseException | None:
-    """Decide one evaluation of check site ``site_id``; return the exception to raise, or None.
-
-    ``ok`` is the value of vLLM's own assert test; ``context`` the frame's ``locals()``
-    (read only, never stored; values are summarized before logging, token ids never);
-    ``msg`` the assert's message when it has one. Never raises: an internal error counts
-    ``kvguard_guard_errors_total{stage="check"}`` and returns vLLM's own outcome.
-    """
-    site = _SITE_RT.get(site_id)
-    if site is None or _suppress_depth:
-        return None if ok else _exc(msg)
-    try:
-        if site.kind == KIND_WINDOW:
-            return _check_window(site, ok, context or {}, msg)
-        if ok:  # rewritten asserts call only on failure; a pass is vLLM's own, uncounted
-            return None
-        return _check_failed_assert(site, context or {}, msg)
-    except Exception as error:  # guard code must never take the engine down
-        guard_error(names.STAGE_CHECK, error)
-        return None if ok else _exc(msg)
-
-
-def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> BaseException:
-    action = names.ACTION_RAISED
-    exc: BaseException = _exc(msg)
-    # frame 0: this function, 1: check, 2: the vLLM function that holds the assert
-    holder = sys._getframe(2)
-    if _policy != names.POLICY_GUARD:
-        pass  # observe: vLLM's behaviour; strict: raise
-    elif site.check == names.CHECK_GROUP_SIZES_CONSISTENCY and holder.f_back is not None and (
-        holder.f_back.f_code in STORE_BUILDER_CODES
-    ):
-        action = names.ACTION_STORE_DROPPED  # GPULoadStoreSpec.__init__ called by the store builder
-    elif site.check == names.CHECK_STORE_KEYS_CONSISTENCY and holder.f_code in STORE_BUILDER_CODES:
-        action = names.ACTION_STORE_DROPPED  # the assert is in the store builder's request loop
-    elif site.request_scoped and GLOBAL_FAIL_REQUEST in holder.f_code.co_names:
-        from kvguard.guards.policy import degrade
-
-        rid = _request_id(context)
-        error = _failure_text(site, msg)
-        if rid is not None and degrade.register_failure(rid, error, site.site_id, holder):
-            action = names.ACTION_REQUEST_FAILED
-            exc = RequestFailed(msg) if msg is not _NO_MSG else RequestFailed()
-    if action == names.ACTION_STORE_DROPPED:
-        exc = StoreDropped(msg) if msg is not _NO_MSG else StoreDropped()
-    _count_violation(site, site.check, action)
-    _events.check_failed(
-        site=site.site_id,
-        check=site.check,
-        policy=_policy,
-        action=action,
-        vllm_version=_vllm_version,
-        request_id=_request_id(context),
-        blocks_per_chunk=_blocks_per_chunk(context),
-        context=context,
-        message=None if msg is _NO_MSG else msg,
-    )
-    return exc
-
-
-def _request_id(context: dict[str, Any]) -> str | None:
-    """The request id a failing assert's frame holds, under vLLM's usual local names
-    (``req_id``; ``request`` / ``req``; ``req_status.req``), or None."""
-    for key in ("req_id", "request_id"):
-        value = context.get(key)
-        if isinstance(value, str):
-            return value
-    for key in ("request", "req", "req_status", "req_state"):
-        obj = context.get(key)
-        for candidate in (obj, getattr(obj, "req", None)):
-            value = getattr(candidate, "request_id", None)
-            if isinstance(value, str):
-                return value
-    return None
-
-
-def _blocks_per_chunk(context: dict[str, Any]) -> int | None:
-    """``blocks_per_chunk`` (``block_size_factor`` before #48150) of the scheduler or
-    spec the frame belongs to, or None; the frame's scalar locals (``num_cached_tokens``,
-    token and block counts) are in the event's ``context``."""
-    config = getattr(context.get("self"), "config", None)
-    for owner in (config, context.get("self")):
-        for name in ("blocks_per_chunk", "block_size_factor"):
-            value = getattr(owner, name, None)
-            if isinstance(value, int):
-                return value
-    return None
-
-
-def _failure_text(site: _SiteRT, msg: Any) -> str:
-    """What a failed request's client is told: the site and vLLM's assert (its text when
-    the assert has no message)."""
-    detail = "" if msg is _NO_MSG else f": {msg}"
-    reg = _site_registry_entry(site.site_id)
-    test = f" ({reg.fingerprint})" if reg is not None and not detail else ""
-    return f"kvguard: offload invariant failed at {site.site_id}{detail}{test}; request failed alone"
-
-
-def _site_registry_entry(site_id: str) -> Any:
-    from kvguard.guards.hooking import sites as site_registry
-
-    return site_registry.registered(site_id)
-
-
-def fail_request(site_id: str, context: dict[str, Any]) -> None:
-    """Called by a rewritten request-scoped method after :class:`RequestFailed`, with its
-    ``locals()``, as it returns early (before it issued the request's load). The
-    decision and the binding were made in :func:`check`; this confirms that the method
-    really stopped, for :mod:`kvguard.guards.policy.degrade`. Never raises (``stage="request_fail"``)."""
-    try:
-        from kvguard.guards.policy import degrade
-
-        degrade.method_returned(_request_id(context))
-    except Exception as error:
-        guard_error(names.STAGE_REQUEST_FAIL, error)
-
-
-def _window_geometry(context: dict[str, Any]) -> tuple[str, int, int, int | None, int] | None:
-    """(kind, sliding_window, tokens_per_block, blocks_per_chunk, extra_retained_tokens) or None.
-
-    The group's KV cache spec comes from vLLM's own locals of the window site:
-    ``group_config.kv_cache_spec`` where the release keeps it there, else the spec the
-    instrumentor recorded on the scheduler (``self._kvguard_kv_specs[group_idx]``, bound
-    by signature at construction). ``sliding_window`` and ``tokens_per_block``
-    (``spec.block_size``, the GPU block) are read from the spec, so the exact bound needs no
-    name of the scheduler's own config; ``blocks_per_chunk`` (``block_size_factor`` before
-    #48150) is for the event only (None when neither name exists).
-    """
-    group_config = context.get("group_config")
-    scheduler = context.get("self")
-    if group_config is None or scheduler is None:
-        return None
-    spec = getattr(group_config, "kv_cache_spec", None)
-    if spec is None:
-        specs = getattr(scheduler, "_kvguard_kv_specs", None)
-        if specs is not None:
-            spec = specs.get(getattr(group_config, "group_idx", None))
-    if spec is None:
-        return None
-    config = getattr(scheduler, "config", None)
-    bpc = getattr(config, "blocks_per_chunk", None) or getattr(config, "block_size_factor", None)
-    bpc = int(bpc) if bpc is not None else None
-    tpb = int(spec.block_size)
-    kind = _spec_kinds.get(type(spec))
-    if kind is None:
-        lineage = {cls.__name__ for cls in type(spec).__mro__}
-        kind = _spec_kinds[type(spec)] = (
-            "swa" if "SlidingWindowSpec" in lineage else "mamba" if "MambaSpec" in lineage else "other"
-        )
-    if kind == "swa":
-        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        return ("swa", int(spec.sliding_window), tpb, bpc, extra)
-    return (kind, 0, tpb, bpc, 0)
-
-
-#: KV cache spec class -> its kind for the window site ("swa", "mamba", "other"), by lineage
-_spec_kinds: dict[type, str] = {}
-
-
-def _vllm_window_bound(site: _SiteRT, context: dict[str, Any]) -> int | None:
-    """vLLM's own bound (GPU blocks): the installed release's bound expression evaluated
-    on the window site's locals; None when it cannot be evaluated (counted)."""
-    if site.bound_code is None:
-        return None
-    try:
-        return int(eval(site.bound_code, site.module_globals or {}, context))  # noqa: S307 - vLLM's own expression
-    except Exception as error:
-        guard_error(names.STAGE_CONTEXT, error)
-        return None
-
-
-def _pending_blocks(site: _SiteRT, context: dict[str, Any]) -> int:
-    """The pending GPU blocks of the load: the left side of vLLM's window assert."""
-    value = context.get(site.pending_name) if site.pending_name else None
-    return int(value if value is not None else context.get("num_pending_gpu_blocks", 0))
-
-
-def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) -> BaseException | None:
-    try:
-        geometry = _window_geometry(context)
-    except Exception as error:
-        guard_error(names.STAGE_CONTEXT, error)
-        geometry = None
-    if geometry is None or geometry[0] == "other":
-        # Unknown group kind or geometry: vLLM's own assert decides, and it is counted
-        # like any generic assert (only when it fails).
-        check_name = names.CHECK_SCHEDULER_ASSERT
-        if ok:
-            return None
-        if geometry is None:
-            # e.g. a scheduler constructed before install (no recorded KV cache spec):
-            # the guard is blind here, say so
-            guard_error(names.STAGE_CONTEXT, LookupError("no KV cache spec for this group"))
-        _count_violation(site, check_name, names.ACTION_RAISED)
-        _events.check_failed(
-            site=site.site_id, check=check_name, policy=_policy, action=names.ACTION_RAISED,
-            vllm_version=_vllm_version, context=context, message=None,
-        )
-        return _exc(msg)
-
-    kind, sw, tpb, bpc, extra = geometry
-    pending = _pending_blocks(site, context)
-    vllm_bound = _vllm_window_bound(site, context)
-    if kind == "mamba":
-        # Mamba depends on a single state: never loosened (exactly vLLM's limit).
-        check_name = names.CHECK_MAMBA_STATE_LIMIT
-        exact = vllm_bound if vllm_bound is not None else pending
-        exact_ok = ok
-    else:
-        check_name = names.CHECK_SWA_PENDING_BOUND
-        exact = invariants.swa_pending_bound(sw, tpb, extra)
-        exact_ok = pending <= exact
-        try:
-            _metrics.swa_ratio(pending / exact)
-        except Exception as error:
-            guard_error(names.STAGE_METRICS, error)
-    _count_eval(check_name)
-    if pending > _max_pending.get(check_name, -1):
-        _max_pending[check_name] = pending
-        _bound[check_name] = exact
-    elif check_name not in _bound:
-        _bound[check_name] = exact
-    if ok and exact_ok:
-        return None
-
-    if ok:  # vLLM's assert passed, the exact invariant did not
-        action = names.ACTION_RAISED if _policy == names.POLICY_STRICT else names.ACTION_CONTINUED
-        result: BaseException | None = (
-            AssertionError(
-                f"kvguard strict: {check_name}: {pending} pending GPU blocks > exact bound {exact}"
-            )
-            if action == names.ACTION_RAISED
-            else None
-        )
-    elif exact_ok and _policy == names.POLICY_GUARD:
-        action = ""
-        result = None
-    else:
-        action = names.ACTION_RAISED
-        result = _exc(msg)
-
-    request = context.get("request")
-    geometry_fields = dict(
-        site=site.site_id,
-        check=check_name,
-        policy=_policy,
-        vllm_version=_vllm_version,
-        request_id=getattr(request, "request_id", None),
-        sliding_window=sw if kind == "swa" else None,
-        tokens_per_block=tpb,
-        blocks_per_chunk=bpc,
-        extra_retained_tokens=extra,
-        num_cached_tokens=context.get("num_cached_tokens"),
-        pending_blocks=pending,
-        exact_bound=exact,
-        vllm_bound=vllm_bound,
-    )
-    if not action:
-        _count_tolerated(check_name)
-        _events.check_tolerated(**geometry_fields)
-        return None
-    _count_violation(site, check_name, action)
-    _events.check_failed(action=action, **geometry_fields)
-    return result
-
-
-#: ``KVGUARD_DISABLED_SITES`` holds ``store:store_coverage`` (set at install): no store
-#: coverage check (:func:`check_store` returns at once).
-store_coverage_disabled = False
-#: True: the copy ledger records nothing (``KVGUARD_DISABLED_SITES=admission:copy_coverage``),
-#: so the admission check's copy coverage has nothing to read and is off too
-copy_coverage_disabled = False
-#: the check whose violation made :func:`check_store` return a StoreDropped; the
-#: rewritten handler then calls :func:`drop_store`, which names it (one thread: EngineCore's)
-_drop_check: str | None = None
-
-
-def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseException | None:
-    """The store coverage check (:mod:`kvguard.guards.checks.store_coverage`) of the
-    ``GPULoadStoreSpec`` the store builder just built; returns the exception to raise, or None.
-
-    ``spec``: the spec (``block_ids``, ``group_sizes``, ``block_indices``: GPU block ids
-    and counts per KV cache group); ``context``: the builder's ``locals()`` (``self``, the
-    connector scheduler; ``req_status``, whose ``group_states[g].block_ids`` is the
-    connector's copy of the request's block table and ``req`` the request). Evaluated once
-    per store job (``kvguard_check_evaluations_total{check="store_coverage"}``). On a
-    violation: ``observe`` counts it (``continued``) and the store goes on; ``guard``
-    returns :class:`StoreDropped` (the rewritten handler releases the store's keys and
-    skips it: the chunks are not published, a later request recomputes them); ``strict``
-    returns an ``AssertionError``. Never raises: an internal error counts
-    ``kvguard_guard_errors_total{stage="check"}`` and the store goes on as vLLM built it.
-    """
-    global _drop_check
-    if copy_coverage_disabled and (store_coverage_disabled or _suppress_depth):
-        return None
-    try:
-        try:
-            geometries, block_ids = _store_inputs(spec, context)
-        except Unsupported:  # a group kind or config kvguard cannot read: not checked
-            return None
-        if store_coverage_disabled or _suppress_depth:
-            problems: list[str] = []
-        else:
-            problems = _store_problems(spec, context, geometries, block_ids)
-            _count_eval(names.CHECK_STORE_COVERAGE)
-        # the ledger records a store that goes ahead only: a dropped store writes nothing,
-        # and recording it would forget an earlier partial copy of the same key
-        if not copy_coverage_disabled and (not problems or _policy == names.POLICY_OBSERVE):
-            _record_copies(spec, context, geometries, block_ids)
-        if not problems:
-            return None
-        if _policy == names.POLICY_GUARD:
-            action, exc = names.ACTION_STORE_DROPPED, StoreDropped("; ".join(problems))
-            _drop_check = names.CHECK_STORE_COVERAGE
-        elif _policy == names.POLICY_STRICT:
-            action, exc = names.ACTION_RAISED, AssertionError("store coverage: " + "; ".join(problems))
-        else:
-            action, exc = names.ACTION_CONTINUED, None
-        site = _SITE_RT.get(site_id)
-        if site is not None:
-            _count_violation(site, names.CHECK_STORE_COVERAGE, action)
-        _events.check_failed(
-            site=site_id,
-            check=names.CHECK_STORE_COVERAGE,
-            policy=_policy,
-            action=action,
-            vllm_version=_vllm_version,
-            request_id=_request_id(context),
-            blocks_per_chunk=_blocks_per_chunk(context),
-            context={},
-            message="; ".join(problems),
-        )
-        return exc
-    except Exception as error:  # guard code must never take the engine down
-        guard_error(names.STAGE_CHECK, error)
-        return None
-
-
-def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], list[int]]:
-    """``(group geometries, the spec's block ids as plain ints)`` of a store the builder just
-    built; Unsupported when kvguard cannot read a group's geometry."""
-    cs = context["self"]
-    geometries = cs.__dict__.get("_kvguard_store_geometry")
-    if geometries is None:
-        from kvguard.guards.checks import admission
-
-        geometries = cs.__dict__["_kvguard_store_geometry"] = admission.group_geometries(cs)
-    # vLLM keeps the ids as a numpy array (0.21-0.34): tolist() gives plain ints at once;
-    # list() would give numpy scalars, slow to build and to compare with the table's ints
-    block_ids = spec.block_ids
-    block_ids = block_ids.tolist() if hasattr(block_ids, "tolist") else list(block_ids)
-    return geometries, block_ids
-
-
-def _spec_groups(spec: Any, block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
-    """``(group, block_indices[group], that group's block ids)`` of each KV cache group with
-    blocks in the spec (``GPULoadStoreSpec``: the ids of group ``g`` follow those of the
-    groups before it, ``group_sizes[g]`` of them)."""
-    offset = 0
-    for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
-        size = int(size)
-        if size:
-            yield g, int(first), block_ids[offset : offset + size]
-        offset += size
-
-
-def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> None:
-    """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.checks.copy_ledger`),
-    for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
-    keys the manager will write); without it the ledger is marked unreadable for this
-    scheduler, and the admission check skips copy coverage there (counted)."""
-    cs = context["self"]
-    req_status = context["req_status"]
-    keys_to_store = context.get("keys_to_store")
-    group_states = req_status.group_states
-    ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
-    if ledger is None:
-        # with vLLM's tiering a key's partial copy may live on in a secondary tier (cascaded,
-        # promoted back later), so a whole re-store into the CPU tier must not forget it
-        manager = getattr(cs, "manager", None)
-        tiers = getattr(manager, "secondary_tiers", None)
-        ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(
-            len(group_states), forget_on_whole_store=not tiers)
-    if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
-        ledger.unreadable = "the store builder has no keys_to_store collection"
-        return
-    for g, first, copied in _spec_groups(spec, block_ids):
-        state = group_states[g]
-        copy_ledger.record_group_store(
-            ledger, g, state.block_ids, copied, first, geometries[g].blocks_per_chunk,
-            state.offload_keys, keys_to_store,
-        )
-
-
-def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> list[str]:
-    """Per KV cache group of the spec, :func:`kvguard.guards.checks.store_coverage.group_store_problems`
-    (prefixed ``group <g>:``); groups with no block in this store are skipped."""
-    req_status = context["req_status"]
-    num_tokens = int(req_status.req.num_tokens)
-    problems: list[str] = []
-    for g, first, copied in _spec_groups(spec, block_ids):
-        geo = geometries[g]
-        found = group_store_problems(GroupStore(
-            table=req_status.group_states[g].block_ids,
-            copied=copied,
-            first_index=first,
-            tokens_per_block=geo.tokens_per_block,
-            blocks_per_chunk=geo.blocks_per_chunk,
-            kept_tokens=geo.kept_tokens,
-            num_tokens=num_tokens,
-        ))
-        problems.extend(f"group {g}: {p}" for p in found)
-    return problems
-
-
-def drop_store(site_id: str, context: dict[str, Any]) -> None:
-    """Release a dropped store's keys so no later request waits on them (vLLM #42945).
-
-    Called by the rewritten ``_build_store_jobs`` after :class:`StoreDropped`, with its
-    ``locals()``: ``self`` (the OffloadingConnectorScheduler), ``req_status`` and
-    ``keys_to_store``. For a site that runs after ``prepare_store`` (``release_keys``,
-    #42945) it calls ``self.manager.complete_store(keys, req_context, success=False)``,
-    which frees the CPU blocks that ``prepare_store`` allocated and never marks them
-    stored. For the ``store_keys_consistency`` site (#49118 class) the assert fires
-    before ``prepare_store``: nothing is released; the builder then skips to the next
-    request (the request's store cursor did not move, so a live request retries next
-    step). Never raises (errors count ``stage="store_drop"``).
-    """
-    global _drop_check
-    try:
-        rt = _SITE_RT.get(site_id)
-        check_name = rt.check if rt is not None else names.CHECK_GROUP_SIZES_CONSISTENCY
-        if _drop_check is not None:  # the store coverage check dropped it (check_store)
-            check_name, _drop_check = _drop_check, None
-        released = 0
-        if rt is None or rt.release_keys:
-            scheduler = context["self"]
-            req_status = context["req_status"]
-            keys = context["keys_to_store"]
-            scheduler.manager.complete_store(keys, req_status.req_context, success=False)
-            released = len(keys)
-        # else (#49118 class): the assert fired before prepare_store in this request's
-        # iteration, so nothing was prepared and nothing is released; a keys_to_store
-        # local of an earlier iteration belongs to another request's store and is left alone.
-        _events.store_dropped(
-            site=site_id,
-            check=check_name,
-            policy=_policy,
-            vllm_version=_vllm_version,
-            request_id=context.get("req_id"),
-            released_keys=released,
-        )
-    except Exception as error:
-        guard_error(names.STAGE_STORE_DROP, error)
-
-
-def snapshot() -> dict[str, dict[str, int | None]]:
-    """Per check name: ``{"evaluated", "tolerated", "violations", "max_pending_blocks", "bound"}``.
-
-    Every name of :data:`kvguard.guards.names.CHECKS` is present. ``evaluated`` is an int for the
-    checks of :data:`kvguard.guards.names.EVALUATED_CHECKS` (``swa_pending_bound``,
-    ``mamba_state_limit``: counted on every evaluation) and None for every other check
-    (``group_sizes_consistency`` and the generic ``*_assert`` checks): their passing
-    evaluations are vLLM's own asserts and are not counted, so None says "not counted",
-    never "not evaluated"; their failures are in ``violations``. ``max_pending_blocks``
-    (GPU blocks) and ``bound`` (the exact bound, GPU blocks, of the geometry where the max
-    was seen) are set for ``swa_pending_bound`` and ``mamba_state_limit`` once evaluated,
-    else None.
-    """
-    result: dict[str, dict[str, int | None]] = {}
-    for name in names.CHECKS:
-        result[name] = {
-            "evaluated": _evals.get(name, 0) if name in names.EVALUATED_CHECKS else None,
-            "tolerated": _tolerated.get(name, 0),
-            "violations": _violations.get(name, 0),
-            "max_pending_blocks": _max_pending.get(name),
-            "bound": _bound.get(name),
-        }
-    return result
+        suppress_depth -= 1
 
 
 def reset() -> None:
-    """Zero every in-process counter (not the Prometheus ones) and forget the last failure."""
-    global _last_failed_site
-    with _lock:
-        for d in (_evals, _tolerated, _violations, _max_pending, _bound, _guard_errors):
-            d.clear()
-        _last_failed_site = None
-    from kvguard.guards.policy import degrade
-
+    """Zero every in-process counter (not the Prometheus ones), forget the last failure and
+    the requests queued to fail (:func:`kvguard.guards.policy.degrade.reset`)."""
+    counts.reset()
     degrade.reset()
-
-
-def guard_errors() -> dict[str, int]:
-    """Per stage, the exceptions inside kvguard code counted in this process since
-    :func:`reset` (what ``kvguard_guard_errors_total{stage}`` counts); stages with none
-    are absent."""
-    return dict(_guard_errors)
-
-
-def last_failed_site() -> str | None:
-    """Site id of the last check that raised in this process (for the fatal record), or None."""
-    return _last_failed_site

@@ -53,7 +53,7 @@ KVGUARD_DIR = os.path.dirname(os.path.abspath(_guards.__file__))
 LAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAB_DIRS = (LAB_DIR + os.sep,)
 #: The one file under the lab that stands in for guard code: the planted fault
-#: (:mod:`kvguard.lab.fuzz.plant`) is what a bug in ``runtime.check`` would raise, so its
+#: (:mod:`kvguard.lab.fuzz.plant`) is what a bug in ``asserts.check`` would raise, so its
 #: frame counts as the guard's (a kvguard bug), never as the lab's own failure.
 PLANT_FILE = os.path.join(LAB_DIR, "fuzz", "plant.py")
 

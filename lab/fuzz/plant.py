@@ -1,9 +1,9 @@
 """A planted kvguard fault, for tests only: proves the fuzz report can flag a kvguard bug.
 
 ``KVGUARD_TEST_PLANT_FAULT=check`` in the environment of ``kvguard fuzz`` (read only by
-the fuzz runner, never by the plugin or :mod:`kvguard.guards.policy.runtime`) makes every call
+the fuzz runner, never by the plugin or :mod:`kvguard.guards.checks.asserts`) makes every call
 of kvguard's check entry point from rewritten vLLM code raise :class:`PlantedFault`
-instead of deciding: exactly what a bug inside ``runtime.check`` that escaped its own
+instead of deciding: exactly what a bug inside ``asserts.check`` that escaped its own
 ``except`` would do. The runner applies it per example with :func:`planted` after the
 guard is installed, by replacing the ``@kvguard_check`` global that the instrumentor
 injected into each rewritten vLLM module (:data:`kvguard.guards.hooking.rewrite.GLOBAL_CHECK`),
@@ -42,7 +42,7 @@ def requested() -> str | None:
 
 
 def planted_check(site_id: str, ok: bool, *args: Any, **kwargs: Any) -> None:
-    """Stand-in for :func:`kvguard.guards.policy.runtime.check` that always raises."""
+    """Stand-in for :func:`kvguard.guards.checks.asserts.check` that always raises."""
     raise PlantedFault(f"kvguard test-only planted fault in check({site_id!r})")
 
 

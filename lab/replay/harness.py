@@ -277,11 +277,12 @@ class _HitRecorder:
     """
 
     def __init__(self, connector_scheduler: Any, result: ReplayResult):
-        from kvguard.guards.checks import admission
+        # the lookup module itself, read at each call: a test may replace its admit
+        from kvguard.guards.checks.admission import lookup
 
         self._cs = connector_scheduler
-        self._admission = admission
-        self._orig, self._admitted = admission.unwrapped_lookup(connector_scheduler)
+        self._admission = lookup
+        self._orig, self._admitted = lookup.unwrapped_lookup(connector_scheduler)
         self._cls = type(connector_scheduler)
         self._method = inspect.getattr_static(self._cls, "get_num_new_matched_tokens")
         # what vLLM's ``cs.get_num_new_matched_tokens`` finds first: an instance attribute
@@ -314,7 +315,7 @@ class _HitRecorder:
         """vLLM's own lookup, the cap to ``target`` tokens, then kvguard's admission check."""
         seen = None
         if self._admitted:
-            answer, seen = self._admission.record_lookup(
+            answer, seen = self._admission.promotion.record_lookup(
                 self._cs, self._orig, request, num_computed_tokens, *args, **kwargs
             )
         else:

@@ -119,10 +119,10 @@ def test_death_class_drops_line_numbers_and_names_the_caller():
 
 def test_death_in_kvguard_code_is_a_kvguard_class():
     frames = [Frame(SCHED, "OffloadingConnectorScheduler.update_state_after_alloc", 529),
-              Frame(classes.KVGUARD_DIR + "/runtime.py", "check", 250)]
+              Frame(classes.KVGUARD_DIR + "/checks/asserts.py", "check", 250)]
     name, kv = classes.death_class("RuntimeError", frames)
     assert kv is True
-    assert name == "kvguard-raised RuntimeError in guards/policy/runtime.py:check"
+    assert name == "kvguard-raised RuntimeError in guards/checks/asserts.py:check"
 
 
 def test_class_from_error_site_and_slug():

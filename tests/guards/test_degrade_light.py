@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from kvguard.guards.checks import asserts
 from kvguard.guards.policy import degrade, runtime
 
 from kvguard.guards import names
@@ -132,7 +133,7 @@ def instrument(src: str, policy: str) -> dict:
     tree = ast.parse(src)
     found = discover(MODULE, tree)
     runtime.reset()
-    runtime.register(found.sites)
+    asserts.register(found.sites)
     runtime.configure(policy=policy)
     namespace: dict = {"__name__": "fake_offload_scheduler"}
     exec(compile(tree, "<vllm-test>", "exec"), namespace)
@@ -146,7 +147,7 @@ def instrument(src: str, policy: str) -> dict:
         owner, name = qualname.split(".")
         getattr(namespace[owner], name).__code__ = code
         if any(s.kind == "store_call" for s in sites):
-            runtime.STORE_BUILDER_CODES.add(code)
+            asserts.STORE_BUILDER_CODES.add(code)
     namespace["discovery"] = found
     return namespace
 
@@ -156,7 +157,7 @@ def _restore():
     previous = runtime.configure()
     yield
     runtime.configure(policy=previous["policy"])
-    runtime.STORE_BUILDER_CODES.clear()
+    asserts.STORE_BUILDER_CODES.clear()
     runtime.reset()
 
 

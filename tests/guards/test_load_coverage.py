@@ -192,14 +192,14 @@ class _Lookup:
     ],
 )
 def test_binder_reads_request_and_computed_tokens_by_signature(method, args, kwargs):
-    from kvguard.guards.checks.admission import _Binder
+    from kvguard.guards.checks.admission.lookup import _Binder
 
     bound_method = getattr(_Lookup(), method)
     assert _Binder(bound_method).bind(args, kwargs) == ("req", 64)
 
 
 def test_binder_rejects_a_call_that_does_not_bind():
-    from kvguard.guards.checks.admission import _Binder
+    from kvguard.guards.checks.admission.lookup import _Binder
 
     with pytest.raises(TypeError):
         _Binder(_Lookup().plain).bind(("req",), {})
@@ -230,7 +230,7 @@ class _FlagEntry:
 
 
 def test_ready_rule_is_read_from_the_property_source():
-    from kvguard.guards.checks.admission import _is_ref_cnt_ready
+    from kvguard.guards.checks.offload_plan import _is_ref_cnt_ready
 
     assert _is_ref_cnt_ready(_RefCntEntry) is True
     assert _is_ref_cnt_ready(_FlagEntry) is False
@@ -249,7 +249,7 @@ def test_ready_rule_is_read_from_the_property_source():
     ],
 )
 def test_span_loadable(entries, expected):
-    from kvguard.guards.checks.admission import _span_loadable
+    from kvguard.guards.checks.offload_plan import span_loadable as _span_loadable
 
     span = ["a", "b"] if entries else []
     assert _span_loadable(entries.get, span) is expected
@@ -509,12 +509,12 @@ def test_reset_zeroes_both_checks_counts():
     the load-coverage counts, whose keys the hot path increments in place)."""
     from kvguard.guards.checks import admission
 
-    admission._bump(admission._PF + "hit_reduced", 3)
-    admission._bump("hit_reduced", 2)
+    admission.counters.bump(admission.counters.PF + "hit_reduced", 3)
+    admission.counters.bump("hit_reduced", 2)
     assert admission.snapshot_promotion_fit()["hit_reduced"] == 3 and admission.snapshot()["hit_reduced"] == 2
     admission.reset()
     assert admission.snapshot_promotion_fit()["violations"] == 0 and admission.snapshot()["violations"] == 0
-    admission._stats["evaluated"] += 1  # the hot path's in-place increment needs the key present
+    admission.counters.stats["evaluated"] += 1  # the hot path's in-place increment needs the key present
     assert admission.snapshot()["evaluated"] == 1
     admission.reset()
 
@@ -537,7 +537,7 @@ def _stand_in_tiered(tpb: int, bpc: int, sw: int, chunks: int, capacity: int):
     manager = _Obj(primary_tier=_Obj(_policy=policy), secondary_tiers=[object()], lookup=lambda key, ctx: None)
     status = _Obj(group_states=tuple(_Obj(offload_keys=k) for k in keys), transfer_jobs=())
     cs = _Obj(config=config, manager=manager, _req_status={"r": status})
-    assert admission._tiering_of(cs) is not None  # what record_lookup caches before a check
+    assert admission.promotion.tiering_of(cs) is not None  # what record_lookup caches before a check
     return cs, keys
 
 
@@ -661,7 +661,7 @@ def _wrapped_scheduler_class():
     class Scheduler:
         def __init__(self):
             self.__dict__.update(vars(_stand_in_scheduler(4, 2, 20, 0, 8, missing={(1, 3)})))
-            self.__dict__[admission._TIERING_ATTR] = None  # no tiering: nothing to record
+            self.__dict__[admission.promotion.TIERING_ATTR] = None  # no tiering: nothing to record
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             return (40, True)
@@ -721,7 +721,7 @@ def _inline_scheduler_class():
 
     def init(self):
         self.__dict__.update(stand_in)
-        self.__dict__[admission._TIERING_ATTR] = None  # no tiering: nothing to record
+        self.__dict__[admission.promotion.TIERING_ATTR] = None  # no tiering: nothing to record
 
     Scheduler.__init__ = init
     return Scheduler
@@ -745,7 +745,7 @@ def test_the_check_in_the_lookups_code_acts_as_the_wrapper_does():
     assert admission.attach(cs) is False and "get_num_new_matched_tokens" not in cs.__dict__
     plain, admitted = admission.unwrapped_lookup(cs)
     assert admitted is True and plain(request, 0) == (40, True)  # vLLM's answer, unchecked
-    assert admission.snapshot()["evaluated"] == 1 and admission._suspended == 0
+    assert admission.snapshot()["evaluated"] == 1 and admission.lookup._suspended == 0
     assert cs.get_num_new_matched_tokens(request, 0) == via_wrapper  # checked again after it
     admission.reset()
 
@@ -771,7 +771,7 @@ def test_attach_never_replaces_an_instance_attribute_or_a_subclass_override():
 
 def test_binder_fast_path_reads_positions_from_the_signature():
     """vLLM's positional call shape takes the two-read fast path, in the signature's order."""
-    from kvguard.guards.checks.admission import _Binder
+    from kvguard.guards.checks.admission.lookup import _Binder
 
     plain = _Binder(_Lookup().plain)
     assert plain.positions == (0, 1) and plain.min_args == 2

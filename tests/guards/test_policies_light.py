@@ -11,6 +11,7 @@ from kvguard.guards.telemetry import events
 
 from kvguard.guards import names
 
+from kvguard.guards.checks import asserts
 from kvguard.guards.policy import runtime
 from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 from kvguard.guards.settings import GuardSettings
@@ -191,7 +192,7 @@ def test_guard_error_is_counted_and_vllm_behaviour_follows(fake, registry, monke
     def boom(*a, **k):
         raise RuntimeError("bug inside kvguard")
 
-    monkeypatch.setattr(runtime, "_check_window", boom)
+    monkeypatch.setattr(asserts, "_check_window", boom)
     sched.update_state_after_alloc(Request(), 4096 * 2, 256 - 128)  # passing: the step completes
     with pytest.raises(AssertionError):
         sched.update_state_after_alloc(Request(), 98012, 2934)  # failing: vLLM's own decision
@@ -205,7 +206,7 @@ def test_context_error_falls_back_to_vllm(fake, registry, monkeypatch):
     def boom(context):
         raise KeyError("geometry")
 
-    monkeypatch.setattr(runtime, "_window_geometry", boom)
+    monkeypatch.setattr(asserts, "_window_geometry", boom)
     sched.update_state_after_alloc(Request(), 4096 * 2, 256 - 128)
     assert sched.loads == [128, 128]
     assert sample(registry, "kvguard_guard_errors_total", stage="context") == 1

@@ -173,7 +173,7 @@ def test_what_the_lab_calls_its_own_failure():
 
 
 def test_the_planted_fault_is_guard_code_not_the_lab():
-    # the planted fault stands in for a bug in runtime.check: its frame is kvguard's guard
+    # the planted fault stands in for a bug in asserts.check: its frame is kvguard's guard
     # code (a kvguard bug, exit 1), never the lab's own failure (exit 2). Measured in CI on
     # 0.33.0 (stop 24): with plant.py counted as lab the planted run exited 2.
     from kvguard.lab.fuzz import classes, plant

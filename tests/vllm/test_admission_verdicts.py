@@ -15,7 +15,7 @@ cut the hit, where the kept verdict would have passed vLLM's answer through:
   release's ``cpu/manager.py``), so it cannot take a chunk of a loadable verdict: the test
   shows that on the installed manager (the chunk stays, the verdict stays true).
 
-Every chunk of the load set is read (``admission._FULL``), so whichever chunk the
+Every chunk of the load set is read (``admission.loadable._FULL``), so whichever chunk the
 manager's own policy evicts first is one the check reads.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from guardtools_vllm import offload_status, plant_in_cpu_tier
 
-from kvguard.guards.checks import admission
+from kvguard.guards.checks import admission, offload_plan
 from kvguard.guards.checks.load_coverage import load_set
 from kvguard.lab.replay import harness, vllm_api
 from kvguard.lab.replay.trace import Geometry
@@ -44,7 +44,7 @@ GEOMETRY = Geometry(tokens_per_block=TPB, tokens_per_chunk=TPC, sliding_window=W
 @pytest.fixture(autouse=True)
 def every_chunk_read(monkeypatch):
     """Every chunk of a load set read; the guard uninstalled after each test."""
-    monkeypatch.setattr(admission, "_FULL", True)
+    monkeypatch.setattr(admission.loadable, "_FULL", True)
     yield
     harness.uninstall_guard()
 
@@ -77,7 +77,7 @@ def _kept_verdict(engine: Any) -> tuple[Any, Any, tuple, list]:
     assert admission.admit(cs, request, 0, answer) is answer
     stats = admission.snapshot()
     assert (stats["evaluated"], stats["reused"], stats["violations"]) == (1, 1, 0), stats
-    plan = admission._get_plan(cs)
+    plan = offload_plan.get_plan(cs)
     keys = [status.group_states[g].offload_keys[c]
             for g, chunks in enumerate(load_set(plan.groups, 0, answer[0])) for c in chunks]
     assert len(keys) > CHUNKS  # both groups: every full-attention chunk and the window's
@@ -85,7 +85,7 @@ def _kept_verdict(engine: Any) -> tuple[Any, Any, tuple, list]:
 
 
 def _policy_get(cs: Any) -> Any:
-    return admission._get_plan(cs).getter()
+    return offload_plan.get_plan(cs).getter()
 
 
 def _rechecked_and_cut(cs: Any, request: Any, answer: tuple) -> None:

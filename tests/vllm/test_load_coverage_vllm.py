@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from guardtools_vllm import plant_in_cpu_tier
 
-from kvguard.guards.checks import admission
+from kvguard.guards.checks import admission, offload_plan
 from kvguard.guards.checks.load_coverage import GroupGeometry, load_set
 from kvguard.lab.replay import harness, vllm_api
 from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest, load_trace
@@ -199,14 +199,14 @@ def _bench_trace() -> Trace:
 def test_vllm_admitted_hits_are_never_reduced(name, monkeypatch):
     trace = _bench_trace() if name == "bench" else load_trace(name)
     same: list[bool] = []
-    original = admission.admit
+    original = admission.lookup.admit
 
     def spy(cs, request, num_computed_tokens, answer, *rest, **kw):
         out = original(cs, request, num_computed_tokens, answer, *rest, **kw)
         same.append(out is answer)
         return out
 
-    monkeypatch.setattr(admission, "admit", spy)
+    monkeypatch.setattr(admission.lookup, "admit", spy)
     result = harness.run_replay(trace, guard=True, policy="guard")
     stats = _stats(result)
     assert stats["hit_reduced"] == 0 and stats["violations"] == 0 and stats["unchecked"] == 0, stats
@@ -260,10 +260,10 @@ def test_the_check_runs_in_vllms_own_call_path(path, monkeypatch):
         if path == "class":
             del cs.__dict__["get_num_new_matched_tokens"]
     calls = []
-    original = admission.admit
-    monkeypatch.setattr(admission, "admit", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    original = admission.lookup.admit
+    monkeypatch.setattr(admission.lookup, "admit", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     # the recorder calls the method as vLLM's scheduler does, and no admit of its own
-    monkeypatch.setattr(admission, "unwrapped_lookup", lambda c: (c.get_num_new_matched_tokens, False))
+    monkeypatch.setattr(admission.lookup, "unwrapped_lookup", lambda c: (c.get_num_new_matched_tokens, False))
     result = harness.run_replay(control, guard=True, policy="guard", engine=engine)
     assert result.ok, result.error
     stats = _stats(result)
@@ -446,7 +446,7 @@ def test_mamba_load_set_equals_the_real_load_job(tmp_path, tpb, tpc, mode):
     assert harness.install_guard("guard")
     scheduler = _hybrid_mamba_scheduler(tmp_path, tpb, tpc, mode)
     cs = scheduler.connector.connector_scheduler
-    plan = admission._get_plan(cs)
+    plan = offload_plan.get_plan(cs)
     assert [g.recurrent_state for g in plan.groups] == [False, True], plan
     groups = [GroupGeometry(tpb, tpc // tpb), GroupGeometry(tpb, tpc // tpb, recurrent_state=True)]
     make = scheduler.kvguard_test_request
@@ -564,4 +564,4 @@ def test_an_unmodelled_group_kind_is_skipped_on_the_real_scheduler(tmp_path):
     assert hits and all(o is a for a, o in hits), answers
     assert admission.snapshot_skipped() == {("load_coverage", "group_kind"): len(hits)}
     assert runtime.guard_errors() == {}
-    assert "ChunkedLocalAttentionSpec" in str(admission._get_plan(cs))
+    assert "ChunkedLocalAttentionSpec" in str(offload_plan.get_plan(cs))

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from kvguard.guards.telemetry import events
 
+from kvguard.guards.checks import asserts
 from kvguard.guards.policy import runtime
 from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
 from kvguard.guards.telemetry.metrics import GuardMetrics
@@ -129,7 +130,7 @@ class TestIssue48959:
         def broken(context):
             raise RuntimeError("kvguard bug")
 
-        monkeypatch.setattr(runtime, "_window_geometry", broken)
+        monkeypatch.setattr(asserts, "_window_geometry", broken)
         assert run_load(num_null_blocks=3063 - 128) == "continued"  # 128: legal everywhere
         assert registry.get_sample_value("kvguard_guard_errors_total", {"stage": "context"}) == 1
 

@@ -124,7 +124,7 @@ def test_a_reduced_hit_above_zero_loads_only_ready_chunks(monkeypatch) -> None:
     check is held back (``seen`` withheld) on the victim's first deferral, so it acts on
     the second: the admitted hit is > 0, its load runs through vLLM's own
     ``prepare_load`` and the worker, and the KV oracle finds no wrong block."""
-    original = admission.admit
+    original = admission.lookup.admit
     deferrals: list[int] = []
 
     def second_deferral(cs, request, num_computed_tokens, answer, seen=None):
@@ -134,7 +134,7 @@ def test_a_reduced_hit_above_zero_loads_only_ready_chunks(monkeypatch) -> None:
                 seen = None
         return original(cs, request, num_computed_tokens, answer, seen=seen)
 
-    monkeypatch.setattr(admission, "admit", second_deferral)
+    monkeypatch.setattr(admission.lookup, "admit", second_deferral)
     result, delta, fit = _replay(LOOP, "guard")
     assert len(deferrals) == 2 and result.ok and result.finished == 7, result.error
     assert result.wrong_kv_blocks == 0
