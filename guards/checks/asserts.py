@@ -210,7 +210,7 @@ def _site_registry_entry(site_id: str) -> Any:
 
 
 def fail_request(site_id: str, context: dict[str, Any]) -> None:
-    """Called by a rewritten request-scoped method after :class:`RequestFailed`, with its
+    """Called by a rewritten request-scoped method after :class:`~kvguard.guards.policy.runtime.RequestFailed`, with its
     ``locals()``, as it returns early (before it issued the request's load). The
     decision and the binding were made in :func:`check`; this confirms that the method
     really stopped, for :mod:`kvguard.guards.policy.degrade`. Never raises (``stage="request_fail"``)."""
@@ -398,7 +398,7 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
     connector's copy of the request's block table and ``req`` the request). Evaluated once
     per store job (``kvguard_check_evaluations_total{check="store_coverage"}``). On a
     violation: ``observe`` counts it (``continued``) and the store goes on; ``guard``
-    returns :class:`StoreDropped` (the rewritten handler releases the store's keys and
+    returns :class:`~kvguard.guards.policy.runtime.StoreDropped` (the rewritten handler releases the store's keys and
     skips it: the chunks are not published, a later request recomputes them); ``strict``
     returns an ``AssertionError``. Never raises: an internal error counts
     ``kvguard_guard_errors_total{stage="check"}`` and the store goes on as vLLM built it.
@@ -532,7 +532,7 @@ def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, .
 def drop_store(site_id: str, context: dict[str, Any]) -> None:
     """Release a dropped store's keys so no later request waits on them (vLLM #42945).
 
-    Called by the rewritten ``_build_store_jobs`` after :class:`StoreDropped`, with its
+    Called by the rewritten ``_build_store_jobs`` after :class:`~kvguard.guards.policy.runtime.StoreDropped`, with its
     ``locals()``: ``self`` (the OffloadingConnectorScheduler), ``req_status`` and
     ``keys_to_store``. For a site that runs after ``prepare_store`` (``release_keys``,
     #42945) it calls ``self.manager.complete_store(keys, req_context, success=False)``,

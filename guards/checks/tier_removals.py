@@ -12,7 +12,7 @@ completed store and move it up and down by one around a load (read in each relea
 
 What removes an entry is derived, not listed: :func:`removal_calls` reads every method
 of the policy's class (the object whose ``get`` the check reads, see
-``admission._policy_reader``) and finds each use of a dict that ``get`` reads:
+``offload_plan.policy_reader``) and finds each use of a dict that ``get`` reads:
 
 - ``self.<d>.get(...)`` / ``.keys()`` / ``.values()`` / ``.items()`` / ``.move_to_end(...)``,
   ``self.<d>[k]`` read, ``k in self.<d>``, ``len(self.<d>)``, ``for k in self.<d>``: a read;

@@ -36,7 +36,7 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
     names.CHECK_LOAD_COVERAGE: (
         "the load a CPU hit admits covers, for every KV cache group, each GPU block the hit "
         "marks computed with a chunk the offload manager holds, at the chunk place the GPU "
-        "block allocation expects (guards/checks/admission.py, guards/checks/load_coverage.py)",
+        "block allocation expects (guards/checks/admission/loadable.py, guards/checks/load_coverage.py)",
         "a hit is admitted only for tokens whose every group's blocks are loaded from chunks "
         "that hold those positions",
         "vLLM issues #55712, #56709 (prepare_load on chunks the manager no longer holds)",

@@ -166,7 +166,7 @@ def test_longest_loadable_hit_examples():
     assert longest_loadable_hit(groups, 0, 1024, lambda g, c: (g, c) != (0, 0)) == 0
 
 
-# -- how the admission wrapper binds vLLM's arguments (kvguard.guards.checks.admission._Binder) --
+# -- how the admission wrapper binds vLLM's arguments (kvguard.guards.checks.admission.lookup._Binder) --
 class _Lookup:
     """Stand-ins for the shapes a ``get_num_new_matched_tokens`` may have across releases."""
 
@@ -205,7 +205,7 @@ def test_binder_rejects_a_call_that_does_not_bind():
         _Binder(_Lookup().plain).bind(("req",), {})
 
 
-# -- readiness of an offload entry (kvguard.guards.checks.admission._span_loadable) ---------------
+# -- readiness of an offload entry (kvguard.guards.checks.offload_plan.span_loadable) ---------------
 class _RefCntEntry:
     """The shape of vLLM's BlockStatus / ChunkStatus: ready when ref_cnt >= 0."""
 

@@ -21,7 +21,7 @@ The rewrite applies where the method's parameters are named ``request`` and
 :class:`_Binder`), with each scheduler pre-bound (:func:`attach`). Under vLLM's tiering a
 scheduler also gets a recording wrapper (:func:`recording_wrapper`): the promotion checks
 of a deferred answer need the manager's per-key answers of that very call. In
-:func:`admit` the chunk bounds are computed inline, the plan is read off the scheduler's
+:func:`~kvguard.guards.checks.admission.loadable.check_hit` the chunk bounds are computed inline, the plan is read off the scheduler's
 ``__dict__`` and the counters are incremented without a call.
 """
 

@@ -41,7 +41,7 @@ at the request's first insert) makes each step's promotions evict the request's 
 chunks, forever. Upstream the same rule is the fix proposed for vllm#49902 (PR #50014:
 pin a promoted chunk until the waiting request reads it). The check compares the ready
 keys of the awaited load set (the hit of the promotion-fit check, below, from ``seen``)
-with those kept from the request's previous deferred lookup (:func:`_ready_memory`, on
+with those kept from the request's previous deferred lookup (:func:`ready_memory`, on
 the connector scheduler; dropped when a lookup of the request is answered, so a
 deferral after a preemption starts afresh). It is evaluated from a request's second
 deferred lookup on, after ``promotion_fit`` (which acts one deferral earlier on the
