@@ -111,10 +111,17 @@ demo-live:
 # newest full release (issue 20's proof on 0.34.0) and the oldest with the strict window
 # assert; 0.33.0's suite was measured the same way (README) and left out for CI time
 SUITE_VERSIONS := 0.34.0 0.25.1
+# the SimpleCPUOffloadConnector's scheduler tests, plain vs guarded: the newest full release
+# and the oldest that has them (0.21.0, the release of vllm#39702)
+SIMPLE_SUITE_VERSIONS := 0.34.0 0.21.0
 test-vllm-suite:
 	for v in $(SUITE_VERSIONS); do \
 	  scripts/env.sh vllm-$$v; \
 	  .venvs/vllm-$$v/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-$$v; \
+	done
+	for v in $(SIMPLE_SUITE_VERSIONS); do \
+	  scripts/env.sh vllm-$$v; \
+	  .venvs/vllm-$$v/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-$$v --suite simple; \
 	done
 
 ## bench: kvguard's step-time cost (issue 21), both figures with their A/A controls from

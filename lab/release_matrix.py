@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 from kvguard.guards.hooking.rewrite import SiteSpec, find_function, rewrite_function
 from kvguard.guards.hooking.sites import (
+    CONNECTOR_SIMPLE,
     MEASURED_VLLM_RELEASES,
     SPECIAL_GROUP_SIZES,
     SPECIAL_STORE_DROP,
     SPECIAL_WINDOW,
+    connector_of,
     discover,
     worker_by_name,
 )
@@ -48,8 +50,10 @@ SEED_GEOMETRY = (4096, 32, 256)
 @dataclass
 class ReleaseRow:
     """One release: per module ``[in_scope_asserts, rewritten_asserts]``, totals, the
-    special kinds expected and matched, vLLM's own window bound (GPU blocks), and the
-    modules the scope rule's by-import part left out (``worker_side_by_import``)."""
+    special kinds expected and matched, vLLM's own window bound (GPU blocks), the modules
+    the scope rule's by-import part left out (``worker_side_by_import``) and the asserts in
+    scope per CPU offload connector (``in_scope_by_connector``: OffloadingConnector,
+    SimpleCPUOffloadConnector)."""
 
     version: str
     modules: dict[str, list[int]] = field(default_factory=dict)
@@ -60,6 +64,7 @@ class ReleaseRow:
     window_bound: int | None = None
     window_expr: str | None = None
     worker_side_by_import: list[str] = field(default_factory=list)
+    in_scope_by_connector: dict[str, int] = field(default_factory=dict)
 
 
 def _count_asserts(node: ast.AST) -> int:
@@ -98,6 +103,9 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
         if found.in_scope_asserts:
             row.modules[module] = [found.in_scope_asserts, rewritten]
         row.in_scope += found.in_scope_asserts
+        if found.in_scope_asserts:
+            connector = connector_of(module)
+            row.in_scope_by_connector[connector] = row.in_scope_by_connector.get(connector, 0) + found.in_scope_asserts
         row.rewritten += rewritten
     row.special_expected = sorted(expected)
     row.special_missing = sorted(missing)
@@ -115,14 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(asdict(row)))
         return 0
-    print("| vLLM | asserts in scope | rewritten | special sites matched | window bound (4096/32/256) "
-          "| worker-side by import |")
-    print("|---|---:|---:|---|---:|---|")
+    print("| vLLM | asserts in scope | of which SimpleCPUOffloadConnector | rewritten | special sites matched "
+          "| window bound (4096/32/256) | worker-side by import |")
+    print("|---|---:|---:|---:|---|---:|---|")
     for r in rows:
         specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)
                              if k in r.special_expected and k not in r.special_missing)
         by_import = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m in r.worker_side_by_import) or "-"
-        print(f"| {r.version} | {r.in_scope} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} |")
+        simple = r.in_scope_by_connector.get(CONNECTOR_SIMPLE, 0)
+        print(f"| {r.version} | {r.in_scope} | {simple} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} |")
     return 0
 
 

@@ -54,12 +54,24 @@ from pathlib import Path, PurePosixPath
 ROOT = Path(__file__).resolve().parent.parent
 SHIMS = ROOT / "tests" / "vllm_suite_shims"
 SUITE = "tests/v1/kv_connector/unit/offloading_connector"
+#: The suites ``--suite`` names: vLLM's tests of each CPU offload connector's scheduler side
+#: (a folder, or test files; a file a release lacks is left out). ``offloading``: the
+#: OffloadingConnector's folder; ``simple``: the SimpleCPUOffloadConnector's scheduler tests
+#: (``test_scheduler.py`` since 0.21.0) and its connector tests (0.34.0).
+SUITES: dict[str, tuple[str, ...]] = {
+    "offloading": (SUITE,),
+    "simple": ("tests/v1/simple_kv_offload/test_scheduler.py",
+               "tests/v1/kv_connector/unit/test_simple_cpu_offload_connector.py"),
+}
 DEFAULT_CACHE = Path.home() / ".cache" / "kvguard"
 DEFAULT_INDEX = "https://pypi.org/simple"
 # Fewest passed tests accepted in *each* run, per vLLM version (issue 5: >= 650 on 0.33.0;
 # 0.25.1 ships 117 tests in the folder, 115 pass on a machine without a GPU; 0.34.0 ships
 # 734, 719 pass on a machine without a GPU: docs/vllm-suite.md).
 MIN_PASSED = {"0.34.0": 719, "0.33.0": 650, "0.25.1": 115}
+#: the same for ``--suite simple`` (4 Dec 2026, a machine without a GPU: 0.34.0 ships 125
+#: tests in its two files, 0.21.0 12 in test_scheduler.py; all pass: docs/vllm-suite.md)
+MIN_PASSED_SIMPLE: dict[str, int] = {"0.34.0": 125, "0.21.0": 12}
 OUTCOMES = ("passed", "failed", "error", "skipped")
 PLUGINS = ("vllm_suite_hybrid_kv", "vllm_suite_session")
 REPORT_ENV = "KVSUITE_REPORT"
@@ -124,8 +136,16 @@ def _module_files(module: str, names: set[str]) -> list[str]:
     return files
 
 
-def suite_closure(files: dict[str, bytes], suite: str = SUITE) -> list[str]:
-    """The sdist files (paths relative to its root) needed to run the tests under ``suite``.
+def present_suite(files: dict[str, bytes] | set[str], suite: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The paths of ``suite`` (a folder or test file, or several) that the sdist has."""
+    names = set(files)
+    paths = (suite,) if isinstance(suite, str) else suite
+    return tuple(p for p in paths if p in names or any(n.startswith(p + "/") for n in names))
+
+
+def suite_closure(files: dict[str, bytes], suite: str | tuple[str, ...] = SUITE) -> list[str]:
+    """The sdist files (paths relative to its root) needed to run the tests under ``suite``
+    (a folder or a test file, or a tuple of them: the ones the sdist lacks are left out).
 
     ``files`` maps every ``.py`` / ``.toml`` path of the sdist to its bytes. Returns,
     sorted: ``pyproject.toml`` (vLLM's pytest markers); every file under ``suite``; the
@@ -134,17 +154,19 @@ def suite_closure(files: dict[str, bytes], suite: str = SUITE) -> list[str]:
     chosen file imports. Raises ``SetupError`` if ``suite`` holds no test file.
     """
     names = set(files)
-    chosen = {n for n in names if n.startswith(suite + "/")}
+    paths = (suite,) if isinstance(suite, str) else suite
+    chosen = {n for n in names for p in paths if n == p or n.startswith(p + "/")}
     if not any(PurePosixPath(n).name.startswith("test_") for n in chosen):
-        raise SetupError(f"the sdist has no test files under {suite}/")
+        raise SetupError(f"the sdist has no test files under {'/, '.join(paths)}/")
     if "pyproject.toml" in names:
         chosen.add("pyproject.toml")
-    parts = suite.split("/")
-    for i in range(1, len(parts) + 1):
-        folder = "/".join(parts[:i])
-        for special in ("__init__.py", "conftest.py"):
-            if f"{folder}/{special}" in names:
-                chosen.add(f"{folder}/{special}")
+    for path in paths:
+        parts = path.split("/")
+        for i in range(1, len(parts) + 1):
+            folder = "/".join(parts[:i])
+            for special in ("__init__.py", "conftest.py"):
+                if f"{folder}/{special}" in names:
+                    chosen.add(f"{folder}/{special}")
     todo = [n for n in chosen if n.endswith(".py")]
     seen: set[str] = set()
     while todo:
@@ -167,7 +189,7 @@ def suite_closure(files: dict[str, bytes], suite: str = SUITE) -> list[str]:
     return sorted(chosen)
 
 
-def extract_suite(sdist: Path, dest: Path, suite: str = SUITE) -> list[str]:
+def extract_suite(sdist: Path, dest: Path, suite: str | tuple[str, ...] = SUITE) -> list[str]:
     """Extract the suite and what it imports from ``sdist`` into a fresh ``dest``.
 
     Files are written byte for byte (vLLM's tests stay untouched); ``dest`` is removed
@@ -363,6 +385,8 @@ class Run:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     returncode: int | None = None
+    #: the test paths pytest is given (the suite's paths this sdist has)
+    suite: tuple[str, ...] = (SUITE,)
 
     @property
     def junit(self) -> Path:
@@ -404,7 +428,7 @@ def run_env(base: dict[str, str], run: Run, hf_home: Path) -> dict[str, str]:
 
 def pytest_command(python: Path, run: Run, extra: list[str]) -> list[str]:
     """The pytest command line, identical for both runs but for the output paths."""
-    cmd = [str(python), "-m", "pytest", SUITE, "-q", "-rfEs", "-p", "no:cacheprovider"]
+    cmd = [str(python), "-m", "pytest", *run.suite, "-q", "-rfEs", "-p", "no:cacheprovider"]
     for plugin in PLUGINS:
         cmd += ["-p", plugin]
     cmd += [f"--junitxml={run.junit}", "-o", "junit_family=xunit2", *extra]
@@ -536,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run")
     parser.add_argument("--jobs", type=int, default=2,
                         help="pytest runs at a time (default 2: plain and guarded side by side)")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="offloading",
+                        help="which connector's tests: offloading (default) or simple (SUITES)")
     parser.add_argument("--only", choices=("plain", "guarded"), default=None,
                         help="run one side only (for debugging; never passes the comparison)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -546,13 +572,16 @@ def main(argv: list[str] | None = None) -> int:
     python = Path(os.path.abspath(args.vllm_env)) / "bin" / "python"
     try:
         version = installed_vllm(python)
-        min_passed = args.min_passed if args.min_passed is not None else MIN_PASSED.get(version)
+        thresholds = MIN_PASSED if args.suite == "offloading" else MIN_PASSED_SIMPLE
+        min_passed = args.min_passed if args.min_passed is not None else thresholds.get(version)
         if min_passed is None:
             raise SetupError(f"no pass threshold known for vLLM {version}: give --min-passed")
         sdist = fetch_sdist(version, args.cache_dir / "sdists", args.index_url)
-        work = args.cache_dir / "vllm-suite" / version
+        work = args.cache_dir / "vllm-suite" / (version if args.suite == "offloading" else f"{version}-{args.suite}")
         src = work / "src"
-        extracted = extract_suite(sdist, src)
+        extracted = extract_suite(sdist, src, SUITES[args.suite])
+        with tarfile.open(sdist, "r:gz") as tar:
+            paths = present_suite({m.name.split("/", 1)[-1] for m in tar.getmembers()}, SUITES[args.suite])
         sys.path.insert(0, str(SHIMS))
         from vllm_suite_hf_cache import write_hf_cache_entry
 
@@ -560,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(hf_home, ignore_errors=True)  # only what this run writes
         write_hf_cache_entry(hf_home)
         print(f"vLLM {version} ({python}); sdist {sdist}; {len(extracted)} files -> {src}", flush=True)
-        plain = Run("plain", {"KVGUARD_DISABLE": "1"}, work / "runs" / "plain")
-        guarded = Run("guarded", {"KVGUARD_POLICY": "guard"}, work / "runs" / "guarded")
+        plain = Run("plain", {"KVGUARD_DISABLE": "1"}, work / "runs" / "plain", suite=paths)
+        guarded = Run("guarded", {"KVGUARD_POLICY": "guard"}, work / "runs" / "guarded", suite=paths)
         runs = [r for r in (plain, guarded) if args.only in (None, r.name)]
         execute(runs, python, src, hf_home, args.pytest_args, args.timeout, args.jobs)
     except (SetupError, OSError, subprocess.TimeoutExpired) as exc:
@@ -580,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(plain, guarded, p, g, p_report, g_report))
     summary = {
         "vllm": version,
+        "suite": args.suite,
         "runs": {r.name: {**tally(res), "seconds": round(r.seconds, 1),
                           "cpu_seconds": round(r.cpu_seconds, 1), "pytest_exit": r.returncode}
                  for r, res in ((plain, p), (guarded, g))},

@@ -355,6 +355,24 @@ class TestExtract:
         with pytest.raises(vs.SetupError, match="no test files"):
             vs.suite_closure(files)
 
+    def test_a_suite_of_test_files_takes_those_present_and_their_folders_conftests(self):
+        """``--suite simple``: single test files, one of which the release lacks."""
+        files = {**SUITE_FILES,
+                 "tests/v1/simple_kv_offload/__init__.py": b"",
+                 "tests/v1/simple_kv_offload/conftest.py": b"",
+                 "tests/v1/simple_kv_offload/test_scheduler.py": b"from tests.v1.kv_connector.unit.utils import f\n",
+                 "tests/v1/simple_kv_offload/test_worker.py": b""}
+        simple = vs.SUITES["simple"]
+        assert vs.present_suite(files, simple) == ("tests/v1/simple_kv_offload/test_scheduler.py",)
+        chosen = vs.suite_closure(files, simple)
+        assert "tests/v1/simple_kv_offload/test_scheduler.py" in chosen
+        assert "tests/v1/simple_kv_offload/conftest.py" in chosen
+        assert "tests/v1/kv_connector/unit/utils.py" in chosen and "tests/utils.py" in chosen  # its imports
+        assert "tests/v1/simple_kv_offload/test_worker.py" not in chosen
+        assert not [c for c in chosen if c.startswith(vs.SUITE + "/")]
+        with pytest.raises(vs.SetupError, match="no test files"):
+            vs.suite_closure(SUITE_FILES, simple)
+
     def test_extract_writes_bytes_unchanged_into_a_fresh_folder(self, tmp_path):
         sdist = make_sdist(tmp_path / "s.tar.gz", SUITE_FILES)
         dest = tmp_path / "src"

@@ -81,12 +81,14 @@ from kvguard.guards.hooking.rewrite import (
     rewrite_function,
 )
 from kvguard.guards.hooking.sites import (
-    CONNECTOR_MODULE,
+    CONNECTOR_MODULES,
+    CONNECTOR_OFFLOADING,
     KIND_STORE_CALL,
     SCOPE_PREFIXES,
     SPECIAL_WINDOW,
     SUPPORTED_VLLM,
     Site,
+    connector_of,
     discover,
     in_scope,
     short_module,
@@ -146,7 +148,7 @@ class _Scope:
     def __call__(self, module: str) -> bool:
         if not in_scope(module):
             return False
-        return module == CONNECTOR_MODULE or module not in self.worker_side()
+        return module in CONNECTOR_MODULES or module not in self.worker_side()
 
 
 @dataclass
@@ -262,13 +264,23 @@ class OffloadGuardInstrumentor:
         return dict(self._state.status) if self._state else {}
 
     def report(self) -> dict[str, Any]:
-        """``{"installed": int, "not_rewritten": [site ids], "disabled": int,
-        "special_missing": [ids], "modules": [instrumented module names],
-        "worker_side_by_import": [modules the scope rule's by-import part left out]}``."""
+        """``{"installed": int, "installed_by_connector": {connector: int}, "not_rewritten":
+        [site ids], "disabled": int, "special_missing": [ids], "modules": [instrumented module
+        names], "worker_side_by_import": [modules the scope rule's by-import part left out]}``.
+        ``installed_by_connector`` splits ``installed`` by the CPU offload connector each
+        site's module belongs to (:func:`kvguard.guards.hooking.sites.connector_of`); a
+        connector whose modules were not imported in this process is absent."""
         status = self.site_status()
         state = self._state
+        by_connector: dict[str, int] = {}
+        for site_id, s in status.items():
+            if s == "installed":
+                site = site_registry.registered(site_id)
+                connector = connector_of(site.module) if site is not None else CONNECTOR_OFFLOADING
+                by_connector[connector] = by_connector.get(connector, 0) + 1
         return {
             "installed": sum(1 for s in status.values() if s == "installed"),
+            "installed_by_connector": dict(sorted(by_connector.items())),
             "not_rewritten": sorted(k for k, s in status.items() if s == "not_rewritten"),
             "disabled": sum(1 for s in status.values() if s == "disabled"),
             "special_missing": sorted(state.special_missing) if state else [],

@@ -6,13 +6,17 @@ and rewrites every assert in them. kvguard does the same (vLLM changes every rel
 table read from three releases missed asserts and raised false alarms on the others).
 
 **The scope rule** (:func:`in_scope`, the only place that decides it): the scheduler-side
-offload path of vLLM, i.e.
+offload path of vLLM's two native CPU offload connectors, i.e.
 
 - every module under ``vllm.distributed.kv_transfer.kv_connector.v1.offloading`` and
-  under ``vllm.v1.kv_offload`` (the *offload packages*, :func:`in_offload_packages`),
-- plus the connector module ``...kv_connector.v1.offloading_connector``, where only the
-  scheduler-role functions count (:func:`worker_role`: a function that reads
-  ``connector_worker`` is worker-role),
+  under ``vllm.v1.kv_offload`` (the OffloadingConnector's), and under
+  ``vllm.v1.simple_kv_offload`` (the SimpleCPUOffloadConnector's, selected by
+  ``VLLM_USE_SIMPLE_KV_OFFLOAD=1``): the *offload packages*, :func:`in_offload_packages`,
+- plus the two connector modules ``...kv_connector.v1.offloading_connector`` and
+  ``...kv_connector.v1.simple_cpu_offload_connector``, where only the scheduler-role
+  functions count (:func:`worker_role`: a function that reads the attribute the connector's
+  constructor binds to its worker-side object, :func:`worker_attributes`:
+  ``connector_worker`` / ``worker_handler``, read off the ``KVConnectorRole.WORKER`` branch),
 - minus the worker side, by role (that code runs in the GPU worker processes, where
   kvguard changes nothing):
 
@@ -57,7 +61,8 @@ assert of the installed release (identical asserts in one function share an id).
   vLLM's own bound is ``<bound>`` itself: :attr:`Site.bound_expr` keeps its source
   text, so the runtime and ``check-geometry`` evaluate exactly what the installed
   release asserts (no version cutoff). Expected in a module whose scheduler class has
-  ``update_state_after_alloc`` and mentions ``sliding_window``.
+  ``update_state_after_alloc`` and reads an offload window size in blocks or chunks
+  (``sliding_window_size_in_*``).
 - ``group_sizes_consistency`` (vLLM #42945): the asserts of ``GPULoadStoreSpec.__init__``
   that read ``group_sizes``. Expected where ``GPULoadStoreSpec.__init__`` takes ``group_sizes``.
 - the store drop (vLLM #42945): ``<name> = GPULoadStoreSpec(...)`` inside a loop of a
@@ -75,9 +80,12 @@ assert of the installed release (identical asserts in one function share an id).
   re-raised: which keys to release would not be provable); it is then reported as
   ``special_missing``.
 - the request scope (e.g. #43884's ``num_locally_computed_tokens``
-  assert): a method of an offload ``*Scheduler`` class that takes ``request``, returns
-  nothing (only bare ``return``) and calls ``prepare_load``: its generic asserts that
-  run before the first ``prepare_load`` are marked :attr:`Site.request_scoped`, and a
+  assert, #39702's hit-length assert of the SimpleCPUOffloadConnector): a method of an
+  offload ``*Scheduler`` class that takes ``request``, returns nothing (only bare
+  ``return``) and takes hold of blocks for a load (:data:`LOAD_HOLD_CALLS`:
+  ``prepare_load``, ``touch``): its generic asserts that run before the first such call,
+  and before the method pops a per-request entry off the scheduler's state (a pin it then
+  owns), are marked :attr:`Site.request_scoped`, and a
   site ``...:request_scope`` (kind ``request_scope``) wraps the method's body so that
   under ``guard`` such a failure fails that request alone
   (:mod:`kvguard.guards.policy.degrade`): no load was issued for it yet, so it can never be
@@ -215,12 +223,22 @@ def vllm_relation(version: str | None) -> str | None:
     return names.VLLM_RELATION_UNLISTED
 
 _CONNECTOR_PKG = "vllm.distributed.kv_transfer.kv_connector.v1"
-#: Packages whose every (non-worker) module is in scope.
-SCOPE_PACKAGES: tuple[str, ...] = (f"{_CONNECTOR_PKG}.offloading", "vllm.v1.kv_offload")
-#: The connector module: only its scheduler-role functions are in scope.
+#: The SimpleCPUOffloadConnector's scheduler side (``VLLM_USE_SIMPLE_KV_OFFLOAD=1``).
+SIMPLE_OFFLOAD_PACKAGE = "vllm.v1.simple_kv_offload"
+#: Packages whose every (non-worker) module is in scope: the OffloadingConnector's two and
+#: the SimpleCPUOffloadConnector's one.
+SCOPE_PACKAGES: tuple[str, ...] = (f"{_CONNECTOR_PKG}.offloading", "vllm.v1.kv_offload", SIMPLE_OFFLOAD_PACKAGE)
+#: The OffloadingConnector's module: only its scheduler-role functions are in scope.
 CONNECTOR_MODULE = f"{_CONNECTOR_PKG}.offloading_connector"
+#: The SimpleCPUOffloadConnector's module: only its scheduler-role functions are in scope.
+SIMPLE_CONNECTOR_MODULE = f"{_CONNECTOR_PKG}.simple_cpu_offload_connector"
+#: vLLM's two native CPU offload connectors' modules (each holds both roles in one class).
+CONNECTOR_MODULES: tuple[str, ...] = (CONNECTOR_MODULE, SIMPLE_CONNECTOR_MODULE)
+#: The ``connector`` a site belongs to, by its module (:func:`connector_of`).
+CONNECTOR_OFFLOADING = "OffloadingConnector"
+CONNECTOR_SIMPLE = "SimpleCPUOffloadConnector"
 #: Every dotted-name prefix the import hook looks at (its early bail-out).
-SCOPE_PREFIXES: tuple[str, ...] = (CONNECTOR_MODULE, *SCOPE_PACKAGES)
+SCOPE_PREFIXES: tuple[str, ...] = (*CONNECTOR_MODULES, *SCOPE_PACKAGES)
 _SHORT_PREFIXES = (f"{_CONNECTOR_PKG}.", "vllm.v1.")
 
 #: The locals of the store builder that :func:`kvguard.guards.checks.asserts.drop_store` reads.
@@ -235,7 +253,7 @@ SPECIAL_STORE_KEYS = "store_keys"
 def in_offload_packages(module: str) -> bool:
     """True for the connector module and every module under :data:`SCOPE_PACKAGES`
     (the candidates of the scope rule, and the importers its by-import part counts). Pure."""
-    if module == CONNECTOR_MODULE:
+    if module in CONNECTOR_MODULES:
         return True
     return any(module == p or module.startswith(p + ".") for p in SCOPE_PACKAGES)
 
@@ -258,7 +276,7 @@ def in_scope(module: str, worker_side: Collection[str] = frozenset()) -> bool:
     empty, only the by-name part of the rule applies. See the module docstring for the
     rule. Pure string and set work (it runs in the import hook's bail-out for every
     candidate ``vllm.*`` import)."""
-    if module == CONNECTOR_MODULE:
+    if module in CONNECTOR_MODULES:
         return True
     if not in_offload_packages(module):
         return False
@@ -345,23 +363,61 @@ def worker_side_modules(sources: Mapping[str, str | ast.Module]) -> frozenset[st
         is_package = any(other.startswith(module + ".") for other in modules)
         for target in imported_modules(module, tree, modules, is_package):
             importers[target].add(module)
-    worker = {m for m in modules if worker_by_name(m) and m != CONNECTOR_MODULE}
+    worker = {m for m in modules if worker_by_name(m) and m not in CONNECTOR_MODULES}
     changed = True
     while changed:
         changed = False
         for module in sorted(modules - worker):
-            if module != CONNECTOR_MODULE and importers[module] and importers[module] <= worker:
+            if module not in CONNECTOR_MODULES and importers[module] and importers[module] <= worker:
                 worker.add(module)
                 changed = True
     return frozenset(worker)
 
 
-def worker_role(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """True for a connector function that runs on the worker side: it reads ``connector_worker``."""
+def worker_attributes(tree: ast.Module) -> frozenset[str]:
+    """The attributes a connector module's classes bind to their worker-side object: every
+    ``self.<attr> = ...`` inside the branch of an ``if`` whose test compares with
+    ``KVConnectorRole.WORKER`` (``self.connector_worker`` of the OffloadingConnector,
+    ``self.worker_handler`` of the SimpleCPUOffloadConnector, 0.21.0-0.34.0). Read off the
+    constructor's own structure, so a renamed attribute follows. Pure."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        test = node.test
+        if not (isinstance(test, ast.Compare) and any(
+            isinstance(n, ast.Attribute) and n.attr == "WORKER" for n in [test.left, *test.comparators]
+        )):
+            continue
+        for stmt in node.body:
+            for sub in ast.walk(stmt):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else []
+                for target in targets:
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                        found.add(target.attr)
+    return frozenset(found)
+
+
+#: the OffloadingConnector's worker attribute: the default of :func:`worker_role`
+_DEFAULT_WORKER_ATTRIBUTES = frozenset({"connector_worker"})
+
+
+def worker_role(func: ast.FunctionDef | ast.AsyncFunctionDef,
+                attributes: Collection[str] = _DEFAULT_WORKER_ATTRIBUTES) -> bool:
+    """True for a connector function that runs on the worker side: it reads one of the
+    connector's worker ``attributes`` (:func:`worker_attributes` of its module)."""
     return any(
-        isinstance(node, ast.Attribute) and node.attr == "connector_worker" and isinstance(node.ctx, ast.Load)
+        isinstance(node, ast.Attribute) and node.attr in attributes and isinstance(node.ctx, ast.Load)
         for node in ast.walk(func)
     )
+
+
+def connector_of(module: str) -> str:
+    """Which of vLLM's CPU offload connectors ``module`` belongs to: :data:`CONNECTOR_SIMPLE`
+    for the SimpleCPUOffloadConnector's module and package, else :data:`CONNECTOR_OFFLOADING`. Pure."""
+    if module == SIMPLE_CONNECTOR_MODULE or module == SIMPLE_OFFLOAD_PACKAGE or module.startswith(SIMPLE_OFFLOAD_PACKAGE + "."):
+        return CONNECTOR_SIMPLE
+    return CONNECTOR_OFFLOADING
 
 
 def short_module(module: str) -> str:
@@ -374,8 +430,10 @@ def short_module(module: str) -> str:
 
 
 def _generic_check(module: str) -> str:
-    if module == CONNECTOR_MODULE or module.startswith(SCOPE_PACKAGES[0]):
+    if module in CONNECTOR_MODULES or module.startswith(SCOPE_PACKAGES[0]):
         return names.CHECK_SCHEDULER_ASSERT
+    if connector_of(module) == CONNECTOR_SIMPLE:
+        return names.CHECK_SCHEDULER_ASSERT  # its manager is the connector's scheduler side
     last = module.rsplit(".", 1)[-1]
     if "spec" in last or last in ("base", "factory", "config"):
         return names.CHECK_OFFLOAD_SPEC_ASSERT
@@ -551,9 +609,30 @@ def _store_keys_asserts(func: ast.AST) -> list[tuple[ast.Assert, ast.stmt, bool]
     return out
 
 
+#: The calls by which an offload scheduler's request-scoped method takes hold of blocks for
+#: the request's load: ``prepare_load`` (the OffloadingConnector's offload manager pins the
+#: load's chunks) and ``touch`` (the SimpleCPUOffloadConnector pins the CPU and GPU blocks
+#: its load reads, ``BlockPool.touch``). An assert that runs before the first of them, and
+#: before the method takes any per-request entry out of the scheduler's state (a
+#: ``self.<attr>.pop(...)``: since vllm#42289 the SimpleCPUOffloadConnector's lookup pins its
+#: hit and this method pops the pin, which is then the method's to release), has taken hold
+#: of nothing, so failing that request alone leaves nothing to release.
+LOAD_HOLD_CALLS: frozenset[str] = frozenset({"prepare_load", "touch"})
+
+
+def _takes_state(node: ast.AST) -> bool:
+    """``self.<attr>.pop(...)``: a per-request entry taken out of the scheduler's state."""
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
+        and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
+        and node.func.value.value.id == "self"
+    )
+
+
 def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
-    """Line of the first ``prepare_load`` call when ``func`` is request-scoped (takes
-    ``request``, returns nothing, issues a load), else None."""
+    """Where the request scope of ``func`` ends (the line of its first :data:`LOAD_HOLD_CALLS`
+    call or first :func:`_takes_state`) when ``func`` is request-scoped (takes ``request``,
+    returns nothing, takes hold of blocks for a load), else None."""
     a = func.args
     if not any(arg.arg == "request" for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
         return None
@@ -562,14 +641,17 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
         return None
     if any(isinstance(n, ast.Return) and n.value is not None for n in own):
         return None
-    if any(_calls_attr(loop, "prepare_load") for loop in _outer_loops(func)):
+    if any(_calls_attr(loop, name) for loop in _outer_loops(func) for name in LOAD_HOLD_CALLS):
         return None  # a load issued in a loop: a later assert could follow a half-issued load
     lines = [
         n.lineno
         for n in own
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "prepare_load"
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in LOAD_HOLD_CALLS
     ]
-    return min(lines) if lines else None
+    if not lines:
+        return None
+    taken = [n.lineno for n in own if _takes_state(n)]
+    return min(lines + taken)
 
 
 def discover(module: str, tree: ast.Module, worker_side: Collection[str] = frozenset()) -> Discovery:
@@ -585,8 +667,9 @@ def discover(module: str, tree: ast.Module, worker_side: Collection[str] = froze
         return result
     short = short_module(module)
     generic_check = _generic_check(module)
+    worker_attrs = worker_attributes(tree) if module in CONNECTOR_MODULES else frozenset()
     for qualname, func, classes in iter_functions(tree):
-        if module == CONNECTOR_MODULE and worker_role(func):
+        if module in CONNECTOR_MODULES and worker_role(func, worker_attrs):
             continue
         owner = classes[-1].name if classes else ""
         method = qualname.rsplit(".", 1)[-1]
@@ -594,8 +677,12 @@ def discover(module: str, tree: ast.Module, worker_side: Collection[str] = froze
         if is_spec_init and any(arg.arg == "group_sizes" for arg in func.args.args + func.args.kwonlyargs):
             result.expected_special.add(SPECIAL_GROUP_SIZES)
         if method == "update_state_after_alloc" and owner.endswith("Scheduler") and any(
-            "sliding_window" in i for i in _idents(classes[-1])
+            i.startswith("sliding_window_size_in") for i in _idents(classes[-1])
         ):
+            # the window assert bounds pending GPU blocks by the offload config's window size
+            # in blocks or chunks; a scheduler that never reads one (the
+            # SimpleCPUOffloadConnector's, which reads only a spec's ``sliding_window`` in
+            # tokens to size its pool) has no such assert to expect
             result.expected_special.add(SPECIAL_WINDOW)
         is_store_builder = owner.endswith("Scheduler") and "store" in method
         store_keys = {id(a): (stmt, before) for a, stmt, before in _store_keys_asserts(func)} if is_store_builder else {}

@@ -39,7 +39,7 @@ from typing import Any
 
 from kvguard.guards.checks.invariants import cdiv
 from kvguard.guards.hooking.sites import (
-    CONNECTOR_MODULE,
+    CONNECTOR_MODULES,
     SCOPE_PACKAGES,
     SPECIAL_WINDOW,
     discover,
@@ -180,7 +180,7 @@ def _sha256(path: Path) -> str:
 
 #: Folders (and the connector file) of the offload packages, relative to ``vllm/``.
 _PACKAGE_DIRS: tuple[tuple[str, ...], ...] = tuple(
-    tuple(name.split(".")[1:]) for name in (*SCOPE_PACKAGES, CONNECTOR_MODULE)
+    tuple(name.split(".")[1:]) for name in (*SCOPE_PACKAGES, *CONNECTOR_MODULES)
 )
 
 

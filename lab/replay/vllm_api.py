@@ -492,8 +492,20 @@ def tensor_fields() -> set[str]:
 
 
 
-def build_scheduler(geometry: Geometry) -> SchedulerParts:
-    """Construct the real ``Scheduler`` + ``OffloadingConnector`` (scheduler role) for ``geometry``.
+#: vLLM's two native CPU offload connectors, by ``kv_connector`` name -> the connector's
+#: attribute holding its scheduler side
+CONNECTOR_SCHEDULER_ATTRS = {
+    "OffloadingConnector": "connector_scheduler",
+    "SimpleCPUOffloadConnector": "scheduler_manager",
+}
+
+
+def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector") -> SchedulerParts:
+    """Construct the real ``Scheduler`` + ``connector`` (scheduler role) for ``geometry``.
+
+    ``connector``: ``"OffloadingConnector"`` (the default, what the replay drives) or
+    ``"SimpleCPUOffloadConnector"`` (what ``VLLM_USE_SIMPLE_KV_OFFLOAD=1`` selects; sized by
+    the same ``cpu_bytes_to_use``, without the OffloadingConnector's chunk and tier settings).
 
     The ``VllmConfig`` is built from a tiny local ``config.json`` (no hub,
     ``skip_tokenizer_init``); the ``KVCacheConfig`` is :func:`make_kv_cache_config`'s;
@@ -549,14 +561,15 @@ def build_scheduler(geometry: Geometry) -> SchedulerParts:
         is_encoder_decoder=False,
         **async_sched,
     )
+    if connector not in CONNECTOR_SCHEDULER_ATTRS:
+        raise ValueError(f"unknown connector {connector!r}: one of {sorted(CONNECTOR_SCHEDULER_ATTRS)}")
+    extra = {"cpu_bytes_to_use": cpu_bytes_to_use(geometry, page)}
+    if connector == "OffloadingConnector":
+        extra = {**chunk_size_config(geometry), **extra, **tier_config}
     kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector",
+        kv_connector=connector,
         kv_role="kv_both",
-        kv_connector_extra_config={
-            **chunk_size_config(geometry),
-            "cpu_bytes_to_use": cpu_bytes_to_use(geometry, page),
-            **tier_config,
-        },
+        kv_connector_extra_config=extra,
     )
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -608,13 +621,13 @@ def build_scheduler(geometry: Geometry) -> SchedulerParts:
         **sizing,
     )
     route_vllm_logs_to_stderr()
-    connector = scheduler.connector
-    if connector is None or type(connector).__name__ != "OffloadingConnector":
-        raise RuntimeError(f"expected vLLM's OffloadingConnector, got {type(connector)!r}")
+    built = scheduler.connector
+    if built is None or type(built).__name__ != connector:
+        raise RuntimeError(f"expected vLLM's {connector}, got {type(built)!r}")
     return SchedulerParts(
         scheduler=scheduler,
-        connector=connector,
-        connector_scheduler=connector.connector_scheduler,
+        connector=built,
+        connector_scheduler=getattr(built, CONNECTOR_SCHEDULER_ATTRS[connector]),
         version=version,
         block_hasher=get_request_block_hasher(hash_block_size, hash_fn),
         batch_queue_depth=depth,

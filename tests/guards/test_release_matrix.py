@@ -22,6 +22,9 @@ from kvguard.lab.release_matrix import RELEASES, SEED_GEOMETRY, release_row
 from kvguard.guards.hooking.rewrite import iter_functions
 from kvguard.guards.hooking.sites import (
     CONNECTOR_MODULE,
+    CONNECTOR_MODULES,
+    SIMPLE_CONNECTOR_MODULE,
+    worker_attributes,
     imported_modules,
     in_scope,
     worker_by_name,
@@ -37,11 +40,13 @@ from kvguard.guards.hooking.vllm_source import (
 
 
 def count_asserts(module: str, source: str) -> int:
-    """Every assert inside a function (connector module: scheduler-role functions only)."""
+    """Every assert inside a function (a connector module: scheduler-role functions only)."""
+    tree = ast.parse(source)
+    attrs = worker_attributes(tree)
     return sum(
         isinstance(node, ast.Assert)
-        for _, func, _ in iter_functions(ast.parse(source))
-        if not (module == CONNECTOR_MODULE and worker_role(func))
+        for _, func, _ in iter_functions(tree)
+        if not (module in CONNECTOR_MODULES and worker_role(func, attrs))
         for node in ast.walk(func)
     )
 
@@ -70,6 +75,10 @@ def test_release(version):
     assert {m: counts[0] for m, counts in row.modules.items()} == expected
     assert all(scope == rewritten for scope, rewritten in row.modules.values()), row.modules
     assert row.in_scope == row.rewritten == sum(expected.values())
+    # the SimpleCPUOffloadConnector's share: its module and package, counted the same way
+    simple = sum(n for m, n in expected.items() if m == SIMPLE_CONNECTOR_MODULE or m.startswith("vllm.v1.simple_kv_offload"))
+    assert row.in_scope_by_connector["SimpleCPUOffloadConnector"] == simple > 0
+    assert sum(row.in_scope_by_connector.values()) == row.in_scope
     assert row.special_expected == ["group_sizes", "store_drop", "store_keys", "swa_pending_bound"]
     assert row.special_missing == []
 
@@ -81,7 +90,7 @@ def test_release(version):
         assert by[module] and by[module] <= worker_side, (module, by[module])
         assert not in_scope(module, worker_side) and module not in sources
     for module in sources:
-        assert not (by[module] and by[module] <= worker_side) or module == CONNECTOR_MODULE, module
+        assert not (by[module] and by[module] <= worker_side) or module in CONNECTOR_MODULES, module
 
     # vLLM's own window bound, read from its code; a legal load exceeds it iff it is below
     # the exact bound (#48959), and then the incident's 98012 cached tokens trip it
@@ -95,3 +104,13 @@ def test_release(version):
     assert (98012 % tokens_per_block in remainders) == (bound < exact)
     print(f"{version}: vLLM's bound {bound} vs exact {exact}: "
           f"{'trips at 98012' if bound < exact else 'allows every legal load'}")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_each_connectors_worker_attribute_is_read_off_its_constructor(version):
+    """The worker role of a connector module's functions: what its constructor binds in the
+    ``KVConnectorRole.WORKER`` branch (OffloadingConnector: ``connector_worker``;
+    SimpleCPUOffloadConnector: ``worker_handler``), on every release's source."""
+    package = sdist_package_sources(fetch_sdist(version, DEFAULT_CACHE / "sdists"))
+    assert worker_attributes(ast.parse(package[CONNECTOR_MODULE])) == {"connector_worker"}
+    assert worker_attributes(ast.parse(package[SIMPLE_CONNECTOR_MODULE])) == {"worker_handler"}

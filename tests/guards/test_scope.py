@@ -254,3 +254,84 @@ def test_imports_are_found_at_any_depth():
     )
     known = {f"{KV}.m{i}" for i in range(9)}
     assert imported_modules(f"{KV}.other", ast.parse(src), known) == {f"{KV}.m{i}" for i in range(8)}
+
+
+# -- the SimpleCPUOffloadConnector (VLLM_USE_SIMPLE_KV_OFFLOAD=1): the same rule ----------
+SIMPLE = "vllm.v1.simple_kv_offload"
+
+#: a crafted simple connector: both roles in one class (the worker object bound in the
+#: ``KVConnectorRole.WORKER`` branch), its manager, its worker and a copy helper only the worker imports
+SIMPLE_TREE = {
+    SIMPLE: "",
+    sites.SIMPLE_CONNECTOR_MODULE: (
+        f"from {SIMPLE}.manager import SimpleCPUOffloadScheduler\n"
+        f"from {SIMPLE}.worker import SimpleCPUOffloadWorker\n\n"
+        "class SimpleCPUOffloadConnector:\n"
+        "    def __init__(self, role, config):\n"
+        "        self.scheduler_manager = None\n"
+        "        self.worker_handler = None\n"
+        "        if role == KVConnectorRole.SCHEDULER:\n"
+        "            assert config is not None\n"
+        "            self.scheduler_manager = SimpleCPUOffloadScheduler(config)\n"
+        "        elif role == KVConnectorRole.WORKER:\n"
+        "            self.worker_handler = SimpleCPUOffloadWorker(config)\n"
+        "    def bind_connector_metadata(self, meta):\n"
+        "        if self.worker_handler is not None:\n"
+        "            assert meta is not None\n"
+        "            self.worker_handler.bind(meta)\n"
+        "    def update_state_after_alloc(self, request, blocks, n):\n"
+        "        if self.scheduler_manager is not None:\n"
+        "            self.scheduler_manager.update_state_after_alloc(request, blocks, n)\n"
+    ),
+    f"{SIMPLE}.manager": (
+        "class SimpleCPUOffloadScheduler:\n"
+        "    def update_state_after_alloc(self, request, blocks, num_external_tokens):\n"
+        "        self._reqs_to_store[request.request_id] = object()\n"
+        "        hit = self.coordinator.find_longest_cache_hit(request.block_hashes, num_external_tokens)\n"
+        "        assert hit == num_external_tokens, 'Expected hit tokens'\n"
+        "        self.cpu_block_pool.touch(blocks)\n"
+        "        assert self._reqs_to_load.get(request.request_id) is None\n"
+        "        self._reqs_to_load[request.request_id] = blocks\n"
+    ),
+    f"{SIMPLE}.worker": f"from {SIMPLE}.copy_backend import copy\n\ndef w(n):\n    assert n\n",
+    f"{SIMPLE}.copy_backend": "def copy(n):\n    assert n > 0\n",
+}
+
+
+def test_the_simple_connectors_scheduler_side_is_in_scope_and_its_worker_side_out():
+    ws = worker_side_modules(SIMPLE_TREE)
+    assert ws == {f"{SIMPLE}.worker", f"{SIMPLE}.copy_backend"}  # by name, then by import
+    assert in_scope(sites.SIMPLE_CONNECTOR_MODULE, ws) and in_scope(f"{SIMPLE}.manager", ws)
+    assert sites.connector_of(f"{SIMPLE}.manager") == sites.CONNECTOR_SIMPLE
+    assert sites.connector_of(sites.SIMPLE_CONNECTOR_MODULE) == sites.CONNECTOR_SIMPLE
+    assert sites.connector_of(SCHEDULER) == sites.connector_of(CONNECTOR_MODULE) == sites.CONNECTOR_OFFLOADING
+
+
+def test_the_simple_connectors_worker_role_is_read_off_its_constructor():
+    tree = ast.parse(SIMPLE_TREE[sites.SIMPLE_CONNECTOR_MODULE])
+    assert sites.worker_attributes(tree) == {"worker_handler"}
+    found = sites.discover(sites.SIMPLE_CONNECTOR_MODULE, tree, worker_side_modules(SIMPLE_TREE))
+    # the constructor's assert (scheduler branch) is a site; bind_connector_metadata's is not
+    assert [s.qualname for s in found.sites] == ["SimpleCPUOffloadConnector.__init__"]
+
+
+def test_a_request_scope_ends_where_the_method_takes_hold_of_blocks():
+    """The hit-length assert (vllm#39702) runs before ``touch``: request-scoped; the assert
+    after it is not (the blocks are pinned: failing the request would leak the pin)."""
+    found = sites.discover(f"{SIMPLE}.manager", ast.parse(SIMPLE_TREE[f"{SIMPLE}.manager"]))
+    scoped = {s.fingerprint: s.request_scoped for s in found.sites if s.kind == "assert"}
+    assert scoped == {"hit == num_external_tokens": True,
+                      "self._reqs_to_load.get(request.request_id) is None": False}
+    assert [s.site_id.rsplit(":", 1)[-1] for s in found.sites if s.kind == sites.KIND_REQUEST_SCOPE] == ["request_scope"]
+
+
+def test_a_request_scope_ends_at_a_pin_popped_off_the_schedulers_state():
+    """Since vllm#42289 the lookup pins the hit and this method pops the pin before its
+    asserts: an assert after the pop is not request-scoped (the pin is the method's to free)."""
+    source = SIMPLE_TREE[f"{SIMPLE}.manager"].replace(
+        "        hit = self.coordinator",
+        "        pending = self._pending_cpu_hits.pop(request.request_id, None)\n        hit = self.coordinator",
+    )
+    found = sites.discover(f"{SIMPLE}.manager", ast.parse(source))
+    assert [s.request_scoped for s in found.sites if s.kind == "assert"] == [False, False]
+    assert not [s for s in found.sites if s.kind == sites.KIND_REQUEST_SCOPE]

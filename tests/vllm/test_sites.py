@@ -154,15 +154,16 @@ def test_no_assert_is_left_out_of_discovery(scope):
     """Independent count: every ``ast.Assert`` inside a function of an in-scope module
     (connector: scheduler-role functions) is one site occurrence."""
     from kvguard.guards.hooking.rewrite import iter_functions
-    from kvguard.guards.hooking.sites import CONNECTOR_MODULE, worker_role
+    from kvguard.guards.hooking.sites import CONNECTOR_MODULES, worker_attributes, worker_role
 
     modules, _ = scope
     for name, module in modules.items():
         tree = ast.parse(open(module.__file__).read())
+        attrs = worker_attributes(tree)
         count = sum(
             isinstance(node, ast.Assert)
             for _, func, _ in iter_functions(tree)
-            if not (name == CONNECTOR_MODULE and worker_role(func))
+            if not (name in CONNECTOR_MODULES and worker_role(func, attrs))
             for node in ast.walk(func)
         )
         assert discovered(module).in_scope_asserts == count, name

@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from kvguard.guards.hooking.sites import SCOPE_PACKAGES, CONNECTOR_MODULE, Discovery, discover, in_scope, worker_side_modules
+from kvguard.guards.hooking.sites import SCOPE_PACKAGES, CONNECTOR_MODULES, Discovery, discover, in_scope, worker_side_modules
 
 
 @functools.cache
@@ -17,7 +17,7 @@ def package_sources() -> dict[str, str]:
     by walking its files here (not with kvguard's own reader, which it checks)."""
     root = Path(importlib.util.find_spec("vllm").origin).parent
     out = {}
-    for pkg in (*SCOPE_PACKAGES, CONNECTOR_MODULE):
+    for pkg in (*SCOPE_PACKAGES, *CONNECTOR_MODULES):
         rel = Path(*pkg.split(".")[1:])
         base = root / rel
         files = [base.with_suffix(".py")] if (base.with_suffix(".py")).exists() else sorted(base.rglob("*.py"))
