@@ -61,7 +61,7 @@ class Plan:
     #: name (read per call: ``clear()`` may rebind it); else ``get`` is the policy's own
     policy: Any
     dict_attr: str | None
-    #: counts calls that may remove an entry the policy's ``get`` reads (:func:`_watch_removals`);
+    #: counts calls that may remove an entry the policy's ``get`` reads (:func:`kvguard.guards.checks.tier_removals.watch`);
     #: None: those calls could not be found, so no verdict is reused (:func:`lookup.admit` checks every lookup)
     epoch: Epoch | None = None
     #: request id -> ``(epoch.n, request's offload status, num_computed_tokens, hit)`` of its
