@@ -130,6 +130,28 @@ def test_the_waiting_scan_stall_ends_guarded() -> None:
         assert out["failed_requests"] == [] and _acted(out) == {}
 
 
+def test_the_async_waiting_scan_stall_ends_guarded() -> None:
+    """stall-remote-kvs-hol-029.jsonl (fuzz seed 5360 on 0.29.0, async scheduling): where vLLM
+    alone leaves a reported load unpromoted behind a head that cannot allocate (vllm#45388's
+    scan), guarded the wait bound fails that one request and every other finishes; where vLLM
+    alone finishes the trace, the guard changes nothing. The expectation is the release's own
+    unguarded outcome, measured in the same test."""
+    trace = load_trace(str(TRACES / "stall-remote-kvs-hol-029.jsonl"))
+    if not expressible(trace):
+        pytest.skip("not expressible on this release (guardtools_vllm.expressible)")
+    plain = _replay(trace, guard=False)
+    out = _replay(trace)
+    assert _ended(out) and out["wrong_kv_blocks"] == 0
+    r = out["requests"]
+    if plain["stalled"]:
+        assert "remote_kvs_never_promoted" in {s["kind"] for s in plain["stalls"]}
+        assert _acted(out) == {f"{names.WAIT_LOAD_NOT_PROMOTED}:{names.ACTION_REQUEST_FAILED}": 1}
+        assert r["failed"] == 1 and r["finished"] == r["submitted"] - 1
+    else:
+        assert _acted(out) == {} and out["failed_requests"] == []
+        assert r["finished"] == plain["requests"]["finished"] == r["submitted"]
+
+
 def test_the_tiering_deferral_stall_ends_guarded() -> None:
     """stall-tiering-lookup-deferred-029.jsonl (fuzz seed 7069 on 0.29.0): where vLLM alone
     leaves a request deferred forever, the guard cuts its hit to what is ready and every
