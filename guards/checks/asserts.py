@@ -285,6 +285,7 @@ def _pending_blocks(site: _SiteRT, context: dict[str, Any]) -> int:
 
 
 def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) -> BaseException | None:
+    policy = runtime.policy()
     try:
         geometry = _window_geometry(context)
     except Exception as error:
@@ -302,7 +303,7 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
             counts.guard_error(names.STAGE_CONTEXT, LookupError("no KV cache spec for this group"))
         counts.count_violation(site.site_id, check_name, names.ACTION_RAISED)
         counts.events.check_failed(
-            site=site.site_id, check=check_name, policy=runtime.policy(), action=names.ACTION_RAISED,
+            site=site.site_id, check=check_name, policy=policy, action=names.ACTION_RAISED,
             vllm_version=runtime.vllm_version(), context=context, message=None,
         )
         return _exc(msg)
@@ -329,7 +330,7 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
         return None
 
     if ok:  # vLLM's assert passed, the exact invariant did not
-        action = names.ACTION_RAISED if runtime.policy() == names.POLICY_STRICT else names.ACTION_CONTINUED
+        action = names.ACTION_RAISED if policy == names.POLICY_STRICT else names.ACTION_CONTINUED
         result: BaseException | None = (
             AssertionError(
                 f"kvguard strict: {check_name}: {pending} pending GPU blocks > exact bound {exact}"
@@ -337,7 +338,7 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
             if action == names.ACTION_RAISED
             else None
         )
-    elif exact_ok and runtime.policy() == names.POLICY_GUARD:
+    elif exact_ok and policy == names.POLICY_GUARD:
         action = ""
         result = None
     else:
@@ -348,7 +349,7 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
     geometry_fields = dict(
         site=site.site_id,
         check=check_name,
-        policy=runtime.policy(),
+        policy=policy,
         vllm_version=runtime.vllm_version(),
         request_id=getattr(request, "request_id", None),
         sliding_window=sw if kind == "swa" else None,
@@ -404,6 +405,7 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
     ``kvguard_guard_errors_total{stage="check"}`` and the store goes on as vLLM built it.
     """
     global _drop_check
+    policy = runtime.policy()  # once per store: the store path runs every step with a store
     if copy_coverage_disabled and (store_coverage_disabled or runtime.suppress_depth):
         return None
     try:
@@ -418,14 +420,14 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
             counts.count_eval(names.CHECK_STORE_COVERAGE)
         # the ledger records a store that goes ahead only: a dropped store writes nothing,
         # and recording it would forget an earlier partial copy of the same key
-        if not copy_coverage_disabled and (not problems or runtime.policy() == names.POLICY_OBSERVE):
+        if not copy_coverage_disabled and (not problems or policy == names.POLICY_OBSERVE):
             _record_copies(spec, context, geometries, block_ids)
         if not problems:
             return None
-        if runtime.policy() == names.POLICY_GUARD:
+        if policy == names.POLICY_GUARD:
             action, exc = names.ACTION_STORE_DROPPED, runtime.StoreDropped("; ".join(problems))
             _drop_check = names.CHECK_STORE_COVERAGE
-        elif runtime.policy() == names.POLICY_STRICT:
+        elif policy == names.POLICY_STRICT:
             action, exc = names.ACTION_RAISED, AssertionError("store coverage: " + "; ".join(problems))
         else:
             action, exc = names.ACTION_CONTINUED, None
@@ -435,7 +437,7 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
         counts.events.check_failed(
             site=site_id,
             check=names.CHECK_STORE_COVERAGE,
-            policy=runtime.policy(),
+            policy=policy,
             action=action,
             vllm_version=runtime.vllm_version(),
             request_id=_request_id(context),
