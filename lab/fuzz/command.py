@@ -52,6 +52,14 @@ from kvguard.lab.replay.command import policy_option
     "example where the release expresses them; --default-layout keeps full attention + one "
     "sliding window",
 )
+@click.option(
+    "--connector",
+    type=click.Choice(["OffloadingConnector", "SimpleCPUOffloadConnector", "both"]),
+    default="OffloadingConnector",
+    show_default=True,
+    help="the kv_connector of every example (SimpleCPUOffloadConnector: what "
+    "VLLM_USE_SIMPLE_KV_OFFLOAD=1 runs); both: drawn per example",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -64,6 +72,7 @@ def fuzz(
     worker_model: bool,
     async_scheduling: bool,
     kv_layouts: bool,
+    connector: str,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -95,6 +104,7 @@ def fuzz(
         worker_model=worker_model,
         async_scheduling=async_scheduling,
         kv_layouts=kv_layouts,
+        connector=connector,
         progress=show,
     )
     show.done()

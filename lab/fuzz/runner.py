@@ -330,23 +330,24 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
 
 
 def not_generated(
-    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True,
+    connector: str = "OffloadingConnector",
 ) -> list[dict[str, str]]:
     """Fields of the fuzz specification the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.lab.fuzz import strategies
 
-    return strategies.not_generated(worker_model, async_scheduling, kv_layouts)
+    return strategies.not_generated(worker_model, async_scheduling, kv_layouts, connector)
 
 
 def explorer(
     seed: int, max_examples: int, worker_model: bool, async_scheduling: bool = True,
-    kv_layouts: bool = True,
+    kv_layouts: bool = True, connector: str = "OffloadingConnector",
 ) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
     """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
 
     ``@seed(seed)``, no example database, only the generate phase, no deadline, at most
-    ``max_examples`` examples of :func:`.strategies.traces` (``worker_model`` and
-    ``async_scheduling`` and ``kv_layouts`` as there),
+    ``max_examples`` examples of :func:`.strategies.traces` (``worker_model``,
+    ``async_scheduling``, ``kv_layouts`` and ``connector`` as there),
     no health check, quiet. The decorated ``body`` is called once per generated trace.
     Call the result inside :func:`.determinism.pinned_constants` for examples that do
     not depend on the process's imports.
@@ -369,7 +370,7 @@ def explorer(
                 print_blob=False,
                 report_multiple_bugs=False,
             )(given(strategies.traces(worker_model=worker_model, async_scheduling=async_scheduling,
-                                      kv_layouts=kv_layouts))(body))
+                                      kv_layouts=kv_layouts, connector=connector))(body))
         )
 
     return wrap
@@ -377,7 +378,7 @@ def explorer(
 
 def generate(
     seed: int, examples: int, *, worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = True, pin: bool = True,
+    kv_layouts: bool = True, pin: bool = True, connector: str = "OffloadingConnector",
 ) -> list[Trace]:
     """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
 
@@ -395,7 +396,7 @@ def generate(
         strategies.layout_support()  # probed before the draws, as in :func:`fuzz`
     out: list[Trace] = []
 
-    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts)
+    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts, connector)
     def body(trace: Trace) -> None:
         out.append(trace)
 
@@ -418,6 +419,7 @@ def fuzz(
     kv_layouts: bool = True,
     progress: Callable[[dict[str, Any]], None] | None = None,
     async_scheduling: bool = True,
+    connector: str = "OffloadingConnector",
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -432,6 +434,8 @@ def fuzz(
     ``kv_layouts``: also draw KV cache groups and ``extra_retained_tokens`` where the
     release expresses them (:func:`.strategies.kv_cache_layout`; default; False:
     ``--default-layout``, full attention + one sliding window).
+    ``connector``: ``geometry.connector`` of every example, or ``"both"`` (drawn per
+    example; :func:`.strategies.traces`).
     """
     from kvguard.lab.fuzz import strategies
     from kvguard.lab.replay import harness
@@ -466,6 +470,8 @@ def fuzz(
         "stalls": 0,
         # examples replayed with geometry.async_scheduling (AsyncScheduler, batch queue 2)
         "async_scheduling_examples": 0,
+        # examples replayed on the SimpleCPUOffloadConnector (geometry.connector)
+        "simple_connector_examples": 0,
     }
     invalid_reasons: dict[str, int] = {}
     layouts = new_layout_counts()
@@ -493,6 +499,7 @@ def fuzz(
             return
         totals["examples"] += 1
         totals["async_scheduling_examples"] += int(getattr(trace.geometry, "async_scheduling", False))
+        totals["simple_connector_examples"] += int(trace.geometry.connector == "SimpleCPUOffloadConnector")
         count_layout(layouts, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
@@ -518,7 +525,8 @@ def fuzz(
             progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
                       "elapsed_s": time.monotonic() - t0})
 
-    @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling, kv_layouts)
+    @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling, kv_layouts,
+              connector)
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -609,7 +617,8 @@ def fuzz(
         "worker_model": worker_model and strategies.WORKER,
         "async_scheduling": async_scheduling and strategies.async_scheduling_unsupported() is None,
         "kv_layouts": kv_layouts,
-        "not_generated": not_generated(worker_model, async_scheduling, kv_layouts),
+        "connector": connector,
+        "not_generated": not_generated(worker_model, async_scheduling, kv_layouts, connector),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),

@@ -471,10 +471,31 @@ _UNKNOWN = object()
 _ASYNC_WHY: object = _UNKNOWN
 
 
+#: ``kvguard fuzz --connector``: vLLM's two native CPU offload connectors, or both drawn.
+CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
+BOTH = "both"
+
+
+def for_simple_connector(geo: Geometry, extra: dict) -> tuple[Geometry, dict]:
+    """A drawn geometry and worker made fit for the SimpleCPUOffloadConnector: it copies whole
+    GPU blocks (``tokens_per_chunk = tokens_per_block``; ``cpu_chunks`` is then its CPU
+    pool in blocks, ``blocks_per_chunk`` times the drawn count, so the pool holds as many
+    tokens as the drawn tier), has no secondary tier, and its worker reports no failed copy
+    (the worker model's failure rates are dropped, its latencies kept)."""
+    geo = dataclasses.replace(
+        geo, connector=CONNECTORS[1], tokens_per_chunk=geo.tokens_per_block,
+        cpu_chunks=geo.cpu_chunks * geo.blocks_per_chunk, secondary_tiers=None)
+    if "worker" in extra:
+        from kvguard.lab.replay.jobs import Faults
+
+        extra = {**extra, "worker": dataclasses.replace(extra["worker"], load_faults=Faults(), store_faults=Faults())}
+    return geo, extra
+
+
 @st.composite
 def traces(
     draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = True,
+    kv_layouts: bool = True, connector: str = "OffloadingConnector",
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -486,7 +507,11 @@ def traces(
     ``kvguard fuzz --sync-scheduling`` turns it off (no draw: the same examples as before
     the field existed); :func:`secondary_tiers` (drawn last, after async scheduling, on a release that has
     vLLM's tiering). ``kv_layouts`` (default; ``kvguard fuzz --default-layout`` turns it
-    off) draws :func:`kv_cache_layout` where :func:`layout_support` allows it."""
+    off) draws :func:`kv_cache_layout` where :func:`layout_support` allows it.
+    ``connector`` (``kvguard fuzz --connector``): the ``geometry.connector`` of every trace,
+    or :data:`BOTH` (drawn last, per example, after everything above: the other draws of a
+    seed stay those of one connector); a SimpleCPUOffloadConnector trace is the drawn one
+    made fit for it (:func:`for_simple_connector`)."""
     geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
@@ -495,6 +520,9 @@ def traces(
     tiers = draw(secondary_tiers())
     if tiers is not None:
         geo = dataclasses.replace(geo, secondary_tiers=tiers)
+    chosen = connector if connector != BOTH else draw(st.sampled_from(CONNECTORS))
+    if chosen != CONNECTORS[0]:
+        geo, extra = for_simple_connector(geo, extra)
     return Trace(
         name=name,
         geometry=geo,
@@ -512,7 +540,8 @@ LAYOUTS_OFF = (
 
 
 def not_generated(
-    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True
+    worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True,
+    connector: str = "OffloadingConnector",
 ) -> list[dict[str, str]]:
     """Fields of the fuzz specification this generator does not draw in this checkout, each with why.
 
@@ -528,6 +557,14 @@ def not_generated(
     ]
     if not ABORTS:
         out.append({"field": "abort_at_step", "reason": "not in this checkout's trace format"})
+    out.append({"field": "evict_cpu_after_lookup",
+                "reason": "a driven eviction is the replay's fallback for the #39702 window, not a natural finding"})
+    if connector != BOTH:
+        out.append({"field": "geometry.connector", "reason": f"--connector {connector}: every trace uses it "
+                    "(--connector both draws it per example)"})
+    if connector != CONNECTORS[0]:
+        out.append({"field": "worker.fail_loads/fail_stores (SimpleCPUOffloadConnector traces)",
+                    "reason": "its worker reports no failed copy (CUDA events only complete)"})
     # Drawn only where the installed release can express them (layout_support): listed
     # with the harness's own reason elsewhere, never silently left out.
     for name, why in (layout_support() if kv_layouts else dict.fromkeys(("extra_retained_tokens", "groups"), LAYOUTS_OFF)).items():

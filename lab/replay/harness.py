@@ -63,6 +63,7 @@ from kvguard.lab.replay.stalls import StallWatch
 from kvguard.lab.replay.tiering import TierTap, tiering_manager, unlink_shared_region
 from kvguard.lab.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
 from kvguard.lab.replay.vllm_api import HarnessError, vllm_version
+from kvguard.lab.replay.simple_worker import SimpleWorker
 from kvguard.lab.replay.worker import SimulatedWorker, WorkerHang
 
 __all__ = ["STALL_STEPS", "MAX_STEPS", "ReplayResult", "Engine", "HarnessError", "build_engine",
@@ -119,7 +120,9 @@ class ReplayResult:
     hits: dict[str, dict[str, int]] = field(default_factory=dict)
     #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
     driven_hits: dict[str, dict[str, int]] = field(default_factory=dict)
-    worker: SimulatedWorker | None = None
+    #: per request with ``evict_cpu_after_lookup``: CPU blocks the driven eviction evicted
+    driven_evictions: dict[str, int] = field(default_factory=dict)
+    worker: "SimulatedWorker | SimpleWorker | None" = None
     #: the trace's ``async_scheduling`` (AsyncScheduler behind a batch queue of depth 2)
     async_scheduling: bool = False
     #: the batch queue and its lag counters (``scheduled_ahead``, ``placeholder_requests``)
@@ -198,7 +201,7 @@ class Engine:
     scheduler: Any
     connector: Any
     connector_scheduler: Any
-    worker: SimulatedWorker
+    worker: "SimulatedWorker | SimpleWorker"
     geometry: Geometry
     version: str
     block_hasher: Callable[[Any], Any]
@@ -209,8 +212,10 @@ class Engine:
 
 
 def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
-    """Construct the real ``Scheduler`` + ``OffloadingConnector`` for ``geometry`` and the
-    simulated worker (:func:`kvguard.lab.replay.vllm_api.build_scheduler` builds vLLM's part).
+    """Construct the real ``Scheduler`` + the connector ``geometry.connector`` names
+    (scheduler role) for ``geometry`` and the simulated worker
+    (:func:`kvguard.lab.replay.vllm_api.build_scheduler` builds vLLM's part; the
+    SimpleCPUOffloadConnector's worker is :class:`~kvguard.lab.replay.simple_worker.SimpleWorker`).
 
     ``worker_model`` is the simulated worker's timing and faults (default: every job
     completes, successfully, in the step it is submitted).
@@ -219,13 +224,23 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
     the release cannot express (and :class:`~kvguard.lab.replay.tiering.TieringUnsupported`),
     and :class:`HarnessError` when the lab cannot bind to the installed vLLM.
     """
-    parts = vllm_api.build_scheduler(geometry)
-    worker = SimulatedWorker(
-        scheduler=parts.scheduler,
-        vocab_size=geometry.vocab_size,
-        model=worker_model or WorkerModel(),
-        blocks_per_chunk=geometry.blocks_per_chunk,
-    )
+    parts = vllm_api.build_scheduler(geometry, connector=geometry.connector)
+    worker: SimulatedWorker | SimpleWorker
+    if geometry.connector == "SimpleCPUOffloadConnector":
+        # its worker side is CUDA-only: simulated at the connector's boundary (simple_worker.py)
+        worker = SimpleWorker(
+            scheduler=parts.scheduler,
+            vocab_size=geometry.vocab_size,
+            model=worker_model or WorkerModel(),
+            num_cpu_blocks=vllm_api.simple_num_cpu_blocks(parts.connector_scheduler),
+        )
+    else:
+        worker = SimulatedWorker(
+            scheduler=parts.scheduler,
+            vocab_size=geometry.vocab_size,
+            model=worker_model or WorkerModel(),
+            blocks_per_chunk=geometry.blocks_per_chunk,
+        )
     tap = None
     if geometry.secondary_tiers:
         manager = tiering_manager(parts.connector_scheduler)
@@ -290,6 +305,8 @@ class _HitRecorder:
         self._instance_attr = connector_scheduler.__dict__.get("get_num_new_matched_tokens")
         self._result = result
         self.targets: dict[str, int] = {}
+        #: requests whose first CPU hit is followed by the trace's driven eviction
+        self.evict_after: set[str] = set()
         connector_scheduler.get_num_new_matched_tokens = self
 
     def __call__(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any):
@@ -304,6 +321,10 @@ class _HitRecorder:
         else:
             answer = self._driven(request, num_computed_tokens, target, args, kwargs)
         hit = answer[0]
+        if hit and rid in self.evict_after:
+            # the trace's driven eviction between the lookup and update_state_after_alloc
+            self.evict_after.discard(rid)
+            self._result.driven_evictions[rid] = vllm_api.evict_unpinned_cpu_blocks(self._cs)
         if hit is not None:
             self._result.hits[rid] = {
                 "local_hit_tokens": int(num_computed_tokens),
@@ -474,6 +495,8 @@ class _Replay:
             prompt = _prompt_tokens(treq, self.outputs, self.trace.geometry.vocab_size)
             if treq.external_hit_tokens is not None:
                 self.recorder.targets[treq.id] = treq.external_hit_tokens
+            if treq.evict_cpu_after_lookup:
+                self.recorder.evict_after.add(treq.id)
             request = vllm_api.make_request(self.engine.block_hasher, treq.id, prompt, treq.max_tokens)
             self.engine.scheduler.add_request(request)
             self.live[treq.id] = request
@@ -702,6 +725,7 @@ def _guard_report(result: ReplayResult) -> None:
     result.guard_errors = runtime.guard_errors()
     result.sites = OffloadGuardInstrumentor().report()
     # true only when the guard really rewrote the offload path (the scheduler module)
+    # (the OffloadingConnector's scheduler module, the SimpleCPUOffloadConnector's manager)
     result.guard_installed = result.guard_installed and result.sites["installed"] > 0 and any(
-        m.endswith(".offloading.scheduler") for m in result.sites["modules"]
+        m.endswith((".offloading.scheduler", ".simple_kv_offload.manager")) for m in result.sites["modules"]
     )

@@ -235,17 +235,22 @@ class KVOracle:
         if self.offload_group_ids is None:
             self.offload_group_ids = tuple(range(len(self.groups)))
         self.offload_group_ids = tuple(self.offload_group_ids)
-        if self.shared_pages and len({g.tokens_per_block for g in self.groups}) > 1:
+        if self.shared_pages and self.blocks_per_chunk != 1 and len({g.tokens_per_block for g in self.groups}) > 1:
             raise ValueError("shared_pages needs one tokens_per_block for every KV cache group")
         self._base = self.vocab_size + 1
         if self.shared_pages:
-            one = np.zeros((self.num_gpu_blocks, self.groups[0].tokens_per_block), np.int64)
-            self._gpu = [one for _ in self.groups]
+            # one page per block id; a group of fewer tokens per block uses its first slots
+            # (a block id belongs to one group at a time, so its slots never mix groups)
+            one = np.zeros((self.num_gpu_blocks, max(g.tokens_per_block for g in self.groups)), np.int64)
+            self._pages = [one]
+            self._gpu = [one[:, : g.tokens_per_block] for g in self.groups]
         else:
             self._gpu = [
                 np.zeros((self.num_gpu_blocks, g.tokens_per_block), np.int64) for g in self.groups
             ]
-        self._cpu: dict[tuple[int, int], np.ndarray] = {}
+            self._pages = self._gpu
+        #: CPU storage: (group, chunk id) -> chunk; ("page", page group, CPU block id) -> page
+        self._cpu: dict[tuple, np.ndarray] = {}
         #: (tier, offload key) -> per group, the fingerprints of the cascaded CPU slot
         self._secondary: dict[tuple[int, Any], list[np.ndarray | None]] = {}
         self._codes: dict[str, np.ndarray] = {}
@@ -436,6 +441,52 @@ class KVOracle:
             self._gpu[group][gpu_block] = chunk[sub] if chunk is not None else np.zeros(tpb, np.int64)
         self.loaded_blocks += len(copies)
         return len(copies)
+
+    # -- whole-block pages (the SimpleCPUOffloadConnector: CPU block = one GPU block) -----
+
+    def gpu_pages(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """A copy of GPU blocks ``block_ids``' slots, one ``len(block_ids) x tokens_per_block``
+        array per page group (every KV cache group, or one with ``shared_pages``): a copy of a
+        block id moves every layer of that block, whichever group owns it."""
+        ids = np.asarray(block_ids, np.int64)
+        return [self._pages[g][ids].copy() for g in self._slot_groups()]
+
+    def cpu_pages(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """CPU blocks ``block_ids``' slots (as :meth:`gpu_pages`; never written = zeros).
+        Only for ``blocks_per_chunk == 1`` (a CPU block holds one GPU block)."""
+        out = []
+        for g in self._slot_groups():
+            page = np.zeros((len(block_ids), self._pages[g].shape[1]), np.int64)
+            for k, c in enumerate(block_ids):
+                chunk = self._cpu.get(("page", g, int(c)))
+                if chunk is not None:
+                    page[k] = chunk
+            out.append(page)
+        return out
+
+    def write_gpu_pages(self, block_ids: Sequence[int], pages: Sequence[np.ndarray], count: bool = True) -> None:
+        """GPU blocks ``block_ids`` now hold ``pages`` (:meth:`gpu_pages`' shape); the null
+        block (id 0) is never written. ``count``: a load's copy (``loaded_blocks``)."""
+        ids = np.asarray(block_ids, np.int64)
+        keep = ids != 0
+        for g, page in zip(self._slot_groups(), pages):
+            self._pages[g][ids[keep]] = page[keep]
+        if count:
+            self.loaded_blocks += int(keep.sum())
+
+    def write_cpu_pages(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None:
+        """CPU blocks ``block_ids`` now hold ``pages`` (:meth:`cpu_pages`' shape)."""
+        for g, page in zip(self._slot_groups(), pages):
+            for k, c in enumerate(block_ids):
+                self._cpu[("page", g, int(c))] = page[k].copy()
+        self.stored_blocks += len(block_ids)
+
+    @staticmethod
+    def changed_rows(before: Sequence[np.ndarray], after: Sequence[np.ndarray]) -> np.ndarray:
+        """Per block, whether any page group's slots differ between two page snapshots."""
+        if not before or not len(before[0]):
+            return np.zeros(0, bool)
+        return np.any([(a != b).any(axis=1) for a, b in zip(before, after)], axis=0)
 
     def check(self, scheduler_output: Any) -> int:
         """Check every scheduled request's read range (module docstring); returns new offenders."""

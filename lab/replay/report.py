@@ -181,6 +181,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "scheduling": scheduling(result),
         "wall_s": round(result.wall_s, 3),
         "driven_hits": result.driven_hits,
+        "driven_evictions": result.driven_evictions,
         "worker": {
             "jobs_completed": worker.jobs_completed if worker else 0,
             **(_worker_timing(worker) if worker else {}),

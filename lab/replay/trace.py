@@ -68,6 +68,15 @@ reaches ``update_from_output`` (output placeholders, ``num_output_placeholders``
 (``AsyncScheduler``, the config field, output placeholders) raises ``RuntimeError``
 naming the field and release, as ``groups`` does where a release cannot express it.
 
+Optional geometry field ``connector`` (default ``"OffloadingConnector"``): vLLM's
+``kv_connector``, one of :data:`CONNECTORS`. ``"SimpleCPUOffloadConnector"`` (what vLLM runs
+with ``VLLM_USE_SIMPLE_KV_OFFLOAD=1``) replays the real connector's scheduler side
+(``scheduler_manager``, vLLM's ``SimpleCPUOffloadScheduler``) with its copy engine simulated
+at the connector's own boundary (:mod:`kvguard.lab.replay.simple_worker`); it has no chunk
+(a CPU block is one GPU block: ``tokens_per_chunk`` must equal ``tokens_per_block``), no
+secondary tier, and its worker reports no failed copy (a ``worker`` with ``fail_*`` faults
+is refused; latency and hung events are modelled).
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.lab.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -123,6 +132,18 @@ Request (one per line, in arrival order)::
   ``abort_at_step`` (``after`` or ``output_of``): its arrival would depend on whether the
   abort came before the end, so the trace is rejected with :class:`TraceError`.
 
+- ``evict_cpu_after_lookup`` (optional, bool; SimpleCPUOffloadConnector traces only): the
+  first time the connector's lookup answers this request a CPU hit, its CPU block pool
+  allocates every free block and frees them again (vLLM's own ``BlockPool.get_new_blocks``
+  / ``free_blocks``): every cached CPU block nobody pins is evicted, between the lookup and
+  ``update_state_after_alloc``, the window of vllm#39702 ("found by the lookup, evicted
+  before update_state_after_alloc"). A driven step like ``external_hit_tokens``: in one
+  engine's ``schedule()`` order nothing allocates CPU blocks between the two phases
+  (stores allocate in ``build_connector_meta``, after every admission of the step; read in
+  0.21.0's ``scheduler.py`` and ``simple_kv_offload/manager.py``), so the lab makes the
+  allocation the public report names; whether the hit survives it is the release's own
+  pinning (vllm#42289: the lookup ``touch``es its hit from 0.25.1 on).
+
 Prompt tokens are generated at replay time and are never written to a report or log.
 """
 
@@ -143,6 +164,7 @@ BUILTIN_TRACES: dict[str, str] = {
     "seed-48959": "seed-48959.jsonl",
     "seed-42945": "seed-42945.jsonl",
     "load-evicted-window": "load-evicted-window.jsonl",
+    "simple-39702": "simple-39702.jsonl",
 }
 DEFAULT_TRACE = "seed-48959"
 
@@ -199,7 +221,12 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 
 
 #: Geometry fields that are not positive ints (validated on their own).
-_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling")
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling", "connector")
+
+#: The ``kv_connector`` a trace may select (``geometry.connector``): vLLM's two native CPU
+#: offload connectors. The first is the default (``--kv-offloading-backend native``); the
+#: second is what vLLM runs with ``VLLM_USE_SIMPLE_KV_OFFLOAD=1``.
+CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 
 
 @dataclass(frozen=True)
@@ -224,6 +251,8 @@ class Geometry:
     #: vLLM's ``SchedulerConfig.async_scheduling``: drive ``AsyncScheduler`` through a
     #: batch queue of depth 2 (``EngineCore.step_with_batch_queue``; see batch_queue.py)
     async_scheduling: bool = False
+    #: vLLM's ``kv_connector`` (one of :data:`CONNECTORS`)
+    connector: str = "OffloadingConnector"
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -248,6 +277,8 @@ class Geometry:
             out["secondary_tiers"] = [{"type": t} for t in self.secondary_tiers]
         if self.async_scheduling:
             out["async_scheduling"] = True
+        if self.connector != CONNECTORS[0]:
+            out["connector"] = self.connector
         return out
 
     @property
@@ -268,6 +299,14 @@ class Geometry:
             raise TraceError("geometry.extra_retained_tokens must be a non-negative int")
         if not isinstance(self.async_scheduling, bool):
             raise TraceError("geometry.async_scheduling must be true or false")
+        if self.connector not in CONNECTORS:
+            raise TraceError(f"geometry.connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
+        if self.connector != CONNECTORS[0] and self.secondary_tiers is not None:
+            raise TraceError("geometry.secondary_tiers is the OffloadingConnector's (TieringOffloadingSpec); "
+                             f"geometry.connector is {self.connector}")
+        if self.connector != CONNECTORS[0] and self.tokens_per_chunk != self.tokens_per_block:
+            raise TraceError(f"geometry.tokens_per_chunk: the {self.connector} copies whole GPU blocks "
+                             "(no chunk), so it must equal tokens_per_block")
         if self.groups is not None:
             if self.extra_retained_tokens:
                 raise TraceError("geometry: with groups, set extra_retained_tokens per group")
@@ -307,6 +346,7 @@ class TraceRequest:
     arrival_step: int = 0
     external_hit_tokens: int | None = None
     abort_at_step: int | None = None
+    evict_cpu_after_lookup: bool = False
 
     @property
     def waits_for(self) -> tuple[str, ...]:
@@ -328,6 +368,8 @@ class TraceRequest:
             out["external_hit_tokens"] = self.external_hit_tokens
         if self.abort_at_step is not None:
             out["abort_at_step"] = self.abort_at_step
+        if self.evict_cpu_after_lookup:
+            out["evict_cpu_after_lookup"] = True
         return out
 
 
@@ -430,6 +472,9 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                     f"{where}: depends on {dep!r}, which has abort_at_step "
                     "(a request may not wait for an aborted one)"
                 )
+        evict = obj.get("evict_cpu_after_lookup", False)
+        if not isinstance(evict, bool):
+            raise TraceError(f"{where}: evict_cpu_after_lookup must be true or false")
         if abort is not None:
             aborting.add(rid)
         seen.add(rid)
@@ -442,6 +487,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                 arrival_step=step,
                 external_hit_tokens=hit,
                 abort_at_step=abort,
+                evict_cpu_after_lookup=evict,
             )
         )
     if header is None:
@@ -469,6 +515,14 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         worker = WorkerModel.from_json(header.get("worker"))
     except WorkerModelError as exc:
         raise TraceError(f"{source}: {exc}") from None
+    if geometry.connector != "SimpleCPUOffloadConnector" and any(r.evict_cpu_after_lookup for r in requests):
+        raise TraceError(f"{source}: evict_cpu_after_lookup drives the SimpleCPUOffloadConnector's CPU block "
+                         "pool; set geometry.connector to SimpleCPUOffloadConnector")
+    if geometry.connector != CONNECTORS[0] and (worker.load_faults.rate or worker.load_faults.jobs
+                                                 or worker.store_faults.rate or worker.store_faults.jobs):
+        raise TraceError(f"{source}: worker fail_* faults: the {geometry.connector}'s worker reports no "
+                         "failed copy (its CUDA events only complete), so a trace for it models latency "
+                         "and hung events only")
     if not requests:
         raise TraceError(f"{source}: a trace needs at least one request")
     return Trace(

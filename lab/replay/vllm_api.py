@@ -646,6 +646,10 @@ def cpu_managers(manager: Any) -> tuple[Any, ...]:
 
 
 def cpu_capacity(connector_scheduler: Any) -> int | None:
+    """CPU tier size: chunks of the OffloadingConnector's manager, blocks of the
+    SimpleCPUOffloadConnector's pool (it has no ``manager``)."""
+    if not hasattr(connector_scheduler, "manager"):
+        return simple_num_cpu_blocks(connector_scheduler)
     manager = connector_scheduler.manager
     for obj in cpu_managers(manager):
         for attr in ("_num_blocks", "num_blocks", "_num_chunks", "num_chunks"):
@@ -660,8 +664,15 @@ def pending_store_keys(connector_scheduler: Any) -> int | None:
 
     A store whose keys are neither completed nor released leaves such blocks behind,
     and vLLM's ``lookup`` answers "retry later" for them: a request that needs one is
-    deferred forever. ``None`` when this vLLM's manager exposes neither layout.
+    deferred forever. ``None`` when this vLLM's manager exposes neither layout (and for the
+    SimpleCPUOffloadConnector: its in-flight stores are ``_store_event_to_blocks``' events,
+    counted here in blocks).
     """
+    if not hasattr(connector_scheduler, "manager"):
+        events = getattr(connector_scheduler, "_store_event_to_blocks", None)
+        if isinstance(events, dict):
+            return sum(len(getattr(t, "cpu_block_ids", ()) or ()) for t in events.values())
+        return None
     manager = connector_scheduler.manager
     for obj in cpu_managers(manager):
         counter = getattr(obj, "_num_write_pending_chunks", None)  # vLLM >= 0.3x
@@ -982,6 +993,49 @@ def offload_jobs(scheduler_output: Any) -> tuple[dict[int, Any], dict[int, Any]]
     if not isinstance(meta, OffloadingConnectorMetadata):
         return None
     return meta.store_jobs, meta.load_jobs
+
+
+def is_simple_offload_metadata(meta: Any) -> bool:
+    """Whether ``meta`` is the SimpleCPUOffloadConnector's ``SimpleCPUOffloadMetadata``."""
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    return isinstance(meta, SimpleCPUOffloadMetadata)
+
+
+def simple_worker_metadata(completed_store_events: dict[int, int]) -> Any:
+    """The SimpleCPUOffloadConnector worker's report of completed store events
+    (``SimpleCPUOffloadWorkerMetadata``, by declared fields): event -> workers done."""
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+    return build_struct(SimpleCPUOffloadWorkerMetadata, {"completed_store_events": dict(completed_store_events)})
+
+
+def evict_unpinned_cpu_blocks(manager: Any) -> int:
+    """The SimpleCPUOffloadConnector's CPU block pool allocates every free block and frees
+    them again (vLLM's ``BlockPool.get_new_blocks`` / ``free_blocks``): every cached block
+    nobody holds (``ref_cnt == 0``) loses its hash, as a store's allocation under LRU
+    pressure would do. Returns how many cached blocks were evicted.
+
+    Raises :class:`HarnessError` when ``manager`` has no ``cpu_block_pool``.
+    """
+    pool = getattr(manager, "cpu_block_pool", None)
+    if pool is None:
+        raise HarnessError(f"{type(manager).__name__} has no cpu_block_pool",
+                           expected="SimpleCPUOffloadScheduler.cpu_block_pool (vLLM's BlockPool)")
+    evicted = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+    return evicted
+
+
+def simple_num_cpu_blocks(manager: Any) -> int | None:
+    """The SimpleCPUOffloadConnector's CPU pool size in blocks (its ``num_cpu_blocks``, or
+    its CPU block pool's ``num_gpu_blocks``: vLLM's ``BlockPool`` names its size so)."""
+    value = getattr(manager, "num_cpu_blocks", None)
+    if isinstance(value, int):
+        return value
+    pool = getattr(manager, "cpu_block_pool", None)
+    value = getattr(pool, "num_gpu_blocks", None)
+    return value if isinstance(value, int) else None
 
 
 def job_specs(job: Any) -> tuple[Any, Any]:

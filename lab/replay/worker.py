@@ -302,20 +302,6 @@ class SimulatedWorker:
             src_spec = _Rotated(src_spec)
         self.oracle.load(job.job_id, src_spec, dst_spec)
 
-    def _compute(self, scheduler_output: Any) -> None:
-        """The forward: write each scheduled request's scheduled tokens into its blocks."""
-        oracle = self.oracle
-        manager = self.scheduler.kv_cache_manager
-        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            req = self.scheduler.requests.get(req_id)
-            if req is None or not num_scheduled:
-                continue
-            end = int(req.num_computed_tokens)  # schedule() already added the scheduled tokens
-            start = end - int(num_scheduled)
-            codes = oracle.token_codes(req_id)
-            for group, table in enumerate(manager.get_block_ids(req_id)):
-                oracle.computed_range(req_id, group, table, start, end, codes)
-
     def _record(self, job_id: int, req_id: str, gpu_spec: Any, is_store: bool) -> SpecRecord:
         rec = SpecRecord(
             job_id=job_id,
@@ -363,26 +349,47 @@ class SimulatedWorker:
             # layer, for the whole batch), so a prefix hit on a block another request of
             # the same step computes is valid: write first, then check what is read
             # (after this step's submitted stores read and completed loads wrote).
-            self._compute(scheduler_output)
+            forward(self.oracle, self.scheduler, scheduler_output)
             self.oracle.check(scheduler_output)
         self.step += 1
         worker_meta = kv.get("kv_connector_worker_meta")
         self.jobs_completed += len(getattr(worker_meta, "completed_jobs", None) or ())
 
-        req_ids: list[str] = []
-        sampled: list[list[int]] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            req = self.scheduler.requests.get(req_id)
-            req_ids.append(req_id)
-            if req is not None and req.num_computed_tokens >= req.num_tokens:
-                # the token after the last computed position; synchronously that index is
-                # len(output_token_ids), under async scheduling it is ahead of it by the
-                # outputs still in flight (num_output_placeholders)
-                index = int(req.num_computed_tokens) - int(req.num_prompt_tokens)
-                sampled.append([sampled_token(req_id, index, self.vocab_size)])
-            else:
-                sampled.append([])  # a partial prefill chunk samples nothing
-        return vllm_api.model_runner_output(req_ids, sampled, kv)
+        return vllm_api.model_runner_output(*sample(self.scheduler, scheduler_output, self.vocab_size), kv)
+
+
+def forward(oracle: "KVOracle", scheduler: Any, scheduler_output: Any) -> None:
+    """The forward, in the oracle: each scheduled request's scheduled tokens are written into
+    its blocks (``kv_cache_manager.get_block_ids``, every KV cache group)."""
+    manager = scheduler.kv_cache_manager
+    for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        req = scheduler.requests.get(req_id)
+        if req is None or not num_scheduled:
+            continue
+        end = int(req.num_computed_tokens)  # schedule() already added the scheduled tokens
+        start = end - int(num_scheduled)
+        codes = oracle.token_codes(req_id)
+        for group, table in enumerate(manager.get_block_ids(req_id)):
+            oracle.computed_range(req_id, group, table, start, end, codes)
+
+
+def sample(scheduler: Any, scheduler_output: Any, vocab_size: int) -> tuple[list[str], list[list[int]]]:
+    """``(req_ids, sampled token ids)`` of a step: one :func:`sampled_token` for every
+    scheduled request whose prompt is computed after it, none for a partial prefill chunk."""
+    req_ids: list[str] = []
+    sampled: list[list[int]] = []
+    for req_id in scheduler_output.num_scheduled_tokens:
+        req = scheduler.requests.get(req_id)
+        req_ids.append(req_id)
+        if req is not None and req.num_computed_tokens >= req.num_tokens:
+            # the token after the last computed position; synchronously that index is
+            # len(output_token_ids), under async scheduling it is ahead of it by the
+            # outputs still in flight (num_output_placeholders)
+            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens)
+            sampled.append([sampled_token(req_id, index, vocab_size)])
+        else:
+            sampled.append([])  # a partial prefill chunk samples nothing
+    return req_ids, sampled
 
 
 class InFlightTokens:

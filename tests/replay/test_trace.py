@@ -208,3 +208,44 @@ def test_async_scheduling_must_be_a_bool(bad) -> None:
     geo = {**HEADER["geometry"], "async_scheduling": bad}
     with pytest.raises(TraceError, match="geometry.async_scheduling must be true or false"):
         parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))
+
+
+SIMPLE_GEO = {"tokens_per_block": 16, "tokens_per_chunk": 16, "sliding_window": 128,
+              "connector": "SimpleCPUOffloadConnector"}
+
+
+def test_connector_parses_round_trips_and_defaults_to_the_offloading_connector() -> None:
+    trace = parse_trace(_lines({**HEADER, "geometry": SIMPLE_GEO}, _req("a", evict_cpu_after_lookup=True)))
+    assert trace.geometry.connector == "SimpleCPUOffloadConnector"
+    assert trace.requests[0].evict_cpu_after_lookup is True
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    plain = parse_trace(_lines(HEADER, _req("a")))
+    assert plain.geometry.connector == "OffloadingConnector"
+    assert plain.requests[0].evict_cpu_after_lookup is False
+    header = json.loads(plain.dumps().splitlines()[0])
+    assert "connector" not in header["geometry"]
+    assert "evict_cpu_after_lookup" not in json.loads(plain.dumps().splitlines()[1])
+
+
+@pytest.mark.parametrize(
+    ("geometry", "request_kw", "worker", "message"),
+    [
+        ({**SIMPLE_GEO, "connector": "LMCacheConnectorV1"}, {}, None, "geometry.connector must be one of"),
+        ({**SIMPLE_GEO, "tokens_per_chunk": 64}, {}, None, "copies whole GPU blocks"),
+        ({**SIMPLE_GEO, "secondary_tiers": [{"type": "example"}]}, {}, None, "secondary_tiers is the OffloadingConnector's"),
+        (SIMPLE_GEO, {}, {"fail_loads": {"rate": 0.1}}, "reports no failed copy"),
+        (SIMPLE_GEO, {}, {"fail_store_jobs": [2]}, "reports no failed copy"),
+        (HEADER["geometry"], {"evict_cpu_after_lookup": True}, None, "evict_cpu_after_lookup drives the SimpleCPUOffloadConnector"),
+        (SIMPLE_GEO, {"evict_cpu_after_lookup": "yes"}, None, "evict_cpu_after_lookup must be true or false"),
+    ],
+)
+def test_what_the_simple_connector_cannot_express_is_refused(geometry, request_kw, worker, message) -> None:
+    header = {**HEADER, "geometry": geometry, **({"worker": worker} if worker else {})}
+    with pytest.raises(TraceError, match=message):
+        parse_trace(_lines(header, _req("a", **request_kw)))
+
+
+def test_simple_connector_worker_latency_and_hangs_are_accepted() -> None:
+    worker = {"load_latency_steps": {"min": 0, "max": 3}, "hang_store_jobs": [1], "seed": 5}
+    trace = parse_trace(_lines({**HEADER, "geometry": SIMPLE_GEO, "worker": worker}, _req("a")))
+    assert trace.worker.load_latency.max == 3 and trace.worker.store_faults.hang_jobs == frozenset({1})

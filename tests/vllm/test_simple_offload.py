@@ -10,7 +10,7 @@ request alone under ``guard`` where the installed code has the assert before it 
 of any block; ``observe`` keeps vLLM's crash and counts it, ``strict`` raises. The race
 is produced at the connector's own boundary: the lookup answers a hit of ``HIT_TOKENS``
 while the CPU pool is empty, which is what the second lookup sees after an eviction.
-The lab's replay and fuzz do not drive this connector yet (docs/degrade.md).
+The lab replays and fuzzes this connector too (tests/vllm/test_simple_replay.py, docs/replay.md).
 """
 
 from __future__ import annotations

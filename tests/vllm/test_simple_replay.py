@@ -1,0 +1,149 @@
+"""The lab drives the SimpleCPUOffloadConnector (issue 30, item 3): replay, worker, KV oracle.
+
+The replays run vLLM's real ``Scheduler`` with the real SimpleCPUOffloadConnector in the
+scheduler role; its CUDA-only worker is simulated at the connector's boundary
+(:mod:`kvguard.lab.replay.simple_worker`). What is proven:
+
+- the built-in ``simple-39702`` trace (the #39702 class, from the public report's
+  mechanism): where the installed lookup does not pin its hit, vLLM alone dies at the
+  hit-length assert and kvguard fails that request alone with every other request finishing
+  on the right KV; where it pins (vllm#42289), guarded and unguarded finish alike, the hit
+  loaded. Which of the two is read from the installed code, not from the version;
+- the oracle follows this connector's copies: the hit's loaded blocks are checked and hold
+  the right KV, and the two negative controls (a load that copies nothing, a load that
+  gives each GPU block its neighbour's CPU block) are flagged;
+- the worker reports events in launch order per direction (the CUDA streams' high-water
+  mark), holding back an event done before an earlier one.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from kvguard.lab.replay import harness
+from kvguard.lab.replay.trace import load_trace
+from kvguard.lab.replay.worker import FAULTS
+
+pytestmark = pytest.mark.vllm
+
+TRACE = "simple-39702"
+VICTIM = "a/turn-1"
+
+
+def _lookup_pins_its_hit() -> bool:
+    """vllm#42289 in the installed code: the lookup ``touch``es the blocks of its hit."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    return "touch" in inspect.getsource(SimpleCPUOffloadScheduler.get_num_new_matched_tokens)
+
+
+def _replay(guard: bool, fault: str | None = None, trace=None):
+    trace = trace or load_trace(TRACE)
+    if guard:
+        harness.install_guard("guard")  # before vLLM's offload modules are imported
+    else:
+        harness.uninstall_guard()
+    engine = harness.build_engine(trace.geometry, trace.worker)
+    engine.worker.fault = fault
+    return engine, harness.run_replay(trace, guard=guard, engine=engine)
+
+
+def _hit_blocks(trace) -> int:
+    """GPU blocks the victim's CPU hit loads: its shared prefix in full attention, plus the
+    sliding-window group's last ``cdiv(sliding_window - 1, block)`` blocks (vLLM's
+    ``SlidingWindowManager.find_longest_cache_hit`` keeps those, null below)."""
+    geo = trace.geometry
+    prefix = next(r for r in trace.requests if r.id == VICTIM).prompt[0].tokens
+    tpb = geo.tokens_per_block
+    return prefix // tpb + -(-(geo.sliding_window - 1) // tpb)
+
+
+def test_the_39702_trace_without_the_guard() -> None:
+    _, result = _replay(guard=False)
+    assert result.driven_evictions.get(VICTIM, 0) > 0  # the eviction between the phases happened
+    if _lookup_pins_its_hit():
+        assert result.ok and result.finished == result.submitted == 5
+    else:
+        assert not result.engine_survived
+        assert "hit tokens, got 0" in result.error
+        assert "simple_kv_offload/manager.py" in result.error_site
+        assert result.error_site.endswith("update_state_after_alloc")
+
+
+def test_the_39702_trace_with_the_guard_fails_the_victim_alone_or_loads_its_hit() -> None:
+    trace = load_trace(TRACE)
+    engine, result = _replay(guard=True)
+    assert result.guard_installed
+    assert result.engine_survived and not result.stalled and result.wrong_kv_blocks == 0, result.error
+    assert result.ok
+    if _lookup_pins_its_hit():
+        assert result.finished == result.submitted == 5 and result.failed_requests == []
+        assert engine.worker.oracle.loaded_blocks == _hit_blocks(trace)
+    else:
+        assert [f["request_id"] for f in result.failed_requests] == [VICTIM]
+        assert "request failed alone" in result.failed_requests[0]["error"]
+        assert result.finished == result.submitted - 1 == 4
+        assert result.checks["scheduler_assert"]["violations"] == 1
+        assert engine.worker.oracle.loaded_blocks == 0
+
+
+def test_guarded_and_unguarded_outputs_agree_where_nothing_failed() -> None:
+    """Where the release pins the hit, every request's generated tokens are the same with
+    and without kvguard; elsewhere the requests that finished in both runs agree."""
+    _, plain = _replay(guard=False)
+    _, guarded = _replay(guard=True)
+    both = set(plain.outputs) & set(guarded.outputs)
+    assert both and all(plain.outputs[r] == guarded.outputs[r] for r in both)
+    if _lookup_pins_its_hit():
+        assert set(plain.outputs) == set(guarded.outputs) == {r.id for r in load_trace(TRACE).requests}
+
+
+def _loading_trace():
+    """``simple-39702`` without the driven eviction: the victim loads its CPU hit on every release."""
+    import dataclasses
+
+    trace = load_trace(TRACE)
+    reqs = tuple(dataclasses.replace(r, evict_cpu_after_lookup=False) for r in trace.requests)
+    return dataclasses.replace(trace, requests=reqs)
+
+
+def test_the_oracle_checks_the_loaded_hit() -> None:
+    trace = _loading_trace()
+    engine, result = _replay(guard=True, trace=trace)
+    oracle = engine.worker.oracle
+    assert result.ok and result.finished == 5
+    assert oracle.loaded_blocks == _hit_blocks(trace)
+    assert oracle.checked_blocks >= oracle.loaded_blocks and oracle.stored_blocks > 0
+    assert engine.worker.torn_blocks == 0 and engine.worker.inconsistent_specs == []
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_faulty_load_is_flagged(fault: str) -> None:
+    engine, result = _replay(guard=True, fault=fault, trace=_loading_trace())
+    assert result.wrong_kv_blocks > 0 and not result.ok
+    assert {o["request_id"] for o in engine.worker.oracle.wrong_kv} == {VICTIM}
+
+
+def test_events_are_reported_in_launch_order_per_direction() -> None:
+    """Four seeded worker models with latency 0..4 steps: in every replay each direction's
+    events are reported in launch order, and across them some event the model finished
+    early was held back behind an earlier one (so the order is the worker's doing)."""
+    import dataclasses
+
+    from kvguard.lab.replay.jobs import Latency, WorkerModel
+
+    held_back = 0
+    for seed in range(4):
+        model = WorkerModel(load_latency=Latency(0, 4), store_latency=Latency(0, 4), seed=seed)
+        trace = dataclasses.replace(_loading_trace(), worker=model)
+        engine, result = _replay(guard=True, trace=trace)
+        worker = engine.worker
+        assert result.ok and result.finished == 5 and result.wrong_kv_blocks == 0
+        queue_done = {j.job_id: j.done_step for j in worker.queue.completed}
+        for records in (worker.loads, worker.stores):
+            steps = [r.done_step for r in records if r.done_step is not None]
+            assert steps == sorted(steps)  # never a later event before an earlier one
+            held_back += sum(1 for r in records if r.done_step is not None and r.done_step > queue_done[r.job_id])
+    assert held_back > 0
