@@ -251,6 +251,13 @@ def build_dashboard() -> dict[str, Any]:
         "the site's code changed, or disabled by KVGUARD_DISABLED_SITES).",
         [_target(f"min by (site) (kvguard_site_installed{{{KV}}})", "{{site}}", instant=True)],
         mappings=[_map("1", "installed", "green"), _map("0", "NOT installed", "red")], red_below=1))
+    lay.add(_stat(
+        "Guarded connector",
+        "The CPU offload connector whose scheduler side kvguard guards on this engine: OffloadingConnector "
+        "(--kv-offloading-backend native) or SimpleCPUOffloadConnector (VLLM_USE_SIMPLE_KV_OFFLOAD=1). "
+        "Every kvguard check series of the pod belongs to it (kvguard_connector_info).",
+        [_target(f"max by (connector) (kvguard_connector_info{{{KV}}})", "{{connector}}", instant=True)],
+        mappings=[_map("1", "guarded", "green")], red_below=1))
     lay.add(_timeseries(
         "Guard errors by stage",
         "Exceptions inside kvguard's own code; vLLM ran its original path unguarded for those calls "

@@ -90,6 +90,14 @@ METRIC_INVARIANT_VIOLATIONS = "kvguard_invariant_violations_total"
 METRIC_GUARD_ERRORS = "kvguard_guard_errors_total"
 METRIC_SWA_PENDING_BOUND_RATIO = "kvguard_swa_pending_bound_ratio"
 METRIC_SITE_INSTALLED = "kvguard_site_installed"
+#: Info metric: 1 for the CPU offload connector whose scheduler side kvguard guards in this
+#: engine (``connector`` label, one of :data:`CONNECTORS`); join it to any kvguard series on
+#: the pod to name the connector (the Prometheus info-metric pattern).
+METRIC_CONNECTOR_INFO = "kvguard_connector_info"
+LABEL_CONNECTOR = "connector"
+#: vLLM's two native CPU offload connectors (``kv_connector``); the second is what vLLM runs
+#: with ``VLLM_USE_SIMPLE_KV_OFFLOAD=1``.
+CONNECTORS: tuple[str, ...] = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 METRIC_ENGINE_FATAL = "kvguard_engine_fatal_total"
 # sidecar-only
 METRIC_ENGINE_UP = "kvguard_engine_up"
@@ -249,6 +257,23 @@ CHECK_COPY_COVERAGE = "copy_coverage"
 CHECKS = CHECKS + (CHECK_COPY_COVERAGE,)
 #: ``KVGUARD_DISABLED_SITES`` entry that switches the copy ledger and its admission check off.
 COPY_COVERAGE_SITE_ID = "admission:copy_coverage"
+# --- exclusive GPU blocks at admission (kvguard.guards.checks.admission.exclusive) ---
+#: No GPU block id is given twice across a request's KV cache groups at admission
+#: (``update_state_after_alloc``): one page written as two is wrong KV (vLLM 0.21.0's
+#: group-by-group allocation, vLLM issue #33775).
+CHECK_BLOCK_EXCLUSIVE = "block_exclusive"
+CHECKS = CHECKS + (CHECK_BLOCK_EXCLUSIVE,)
+#: ``KVGUARD_DISABLED_SITES`` entry that switches the exclusive-block check off.
+BLOCK_EXCLUSIVE_SITE_ID = "admission:block_exclusive"
+KEY_SHARED_BLOCKS = "shared_blocks"
+# --- every block a load makes computed is written by it (kvguard.guards.checks.admission.written) ---
+#: The non-null GPU blocks of a load's external range are all destinations of the load: vLLM
+#: caches them as the request's KV when the load completes (the SimpleCPUOffloadConnector skips
+#: the retained sliding-window blocks below the window: 0.29.0, 0.34.0).
+CHECK_LOAD_WRITES = "load_writes"
+CHECKS = CHECKS + (CHECK_LOAD_WRITES,)
+LOAD_WRITES_SITE_ID = "admission:load_writes"
+KEY_UNWRITTEN_BLOCKS = "unwritten_blocks"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS,
                                      CHECK_COPY_COVERAGE)

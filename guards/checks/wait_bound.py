@@ -238,6 +238,14 @@ def _table(cs: Any) -> WaitTable:
     return table
 
 
+def _known(cs: Any, request_id: str) -> bool:
+    """Whether the connector scheduler still tracks the request: the OffloadingConnector's
+    ``_req_status``; a connector without it (the SimpleCPUOffloadConnector) tracks every
+    request it answered until vLLM finishes it (its status then leaves the waits)."""
+    req_status = getattr(cs, "_req_status", None)
+    return True if req_status is None else request_id in req_status
+
+
 def _scheduler(table: WaitTable, frame: Any, request_id: str) -> Any:
     if table.scheduler is None:
         table.scheduler = degrade.find_scheduler(frame, request_id)
@@ -346,7 +354,7 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
                 del table.async_loads[rid]
                 table.waits[rid] = Wait(names.WAIT_LOAD_IN_FLIGHT, request, since=now)
                 parked.add(rid)  # the wait begins: its first observation is the next step
-            elif status != "WAITING" or rid not in cs._req_status:
+            elif status != "WAITING" or not _known(cs, rid):
                 del table.async_loads[rid]  # scheduled, finished or preempted: no async wait
     if not table.waits:
         return
@@ -356,7 +364,7 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
         request = wait.request
         status = request.status.name
         if wait.kind in (names.WAIT_LOOKUP_DEFERRED, names.WAIT_TRANSFERS_IN_FLIGHT):
-            if status != "WAITING" and status != "PREEMPTED" or rid not in cs._req_status:
+            if status != "WAITING" and status != "PREEMPTED" or not _known(cs, rid):
                 del table.waits[rid]  # scheduled or finished: the deferral ended
             continue
         if statuses is None or status not in statuses:
@@ -450,6 +458,28 @@ def attach(cs: Any) -> bool:
     _table(cs).stepped = True
     _attached.add(cs)
     return True
+
+
+def observe_answer(cs: Any, request: Any, answer: Any) -> None:
+    """A lookup of a connector scheduler kvguard's admission check does not run in (the
+    SimpleCPUOffloadConnector's) answered ``answer`` for ``request``: an answer with
+    ``load_kv_async`` is watched (:func:`admitted_async`), a number ends a deferral
+    (:func:`answered`). Called by :func:`kvguard.guards.checks.admission.written.lookup_wrapper`."""
+    if answer is not None and answer[0] is not None and TABLE_ATTR in cs.__dict__:
+        answered(cs, request.request_id)
+        if answer[1]:
+            admitted_async(cs, request)
+
+
+def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapt`` wrapper of such a connector scheduler's ``__init__``: vLLM's constructor,
+    then :func:`attach` (an error counts ``stage="admission"``)."""
+    result = wrapped(*args, **kwargs)
+    try:
+        attach(instance)
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+    return result
 
 
 def detach_all() -> None:

@@ -63,6 +63,7 @@ from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.checks import admission, asserts, wait_bound
+from kvguard.guards.checks.admission import exclusive, written
 from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.hook import GuardFinder, install_finder, uninstall_finder
 from kvguard.guards.hooking.rewrite import (
@@ -99,7 +100,7 @@ from kvguard.guards.hooking.sites import (
 )
 from kvguard.guards.policy import runtime
 from kvguard.guards.policy.runtime import suppressed
-from kvguard.guards.telemetry import events
+from kvguard.guards.telemetry import counts, events
 
 __all__ = ["OffloadGuardInstrumentor", "installed_vllm_version", "suppressed"]
 
@@ -509,6 +510,20 @@ class OffloadGuardInstrumentor:
             if qualname in inline or self._wrap(state, module, qualname, admission.admission_wrapper):
                 # each new scheduler gets what it needs pre-bound (admission.attach)
                 self._wrap(state, module, f"{owner}.__init__", admission.attach_wrapper)
+        for owner in exclusive.scheduler_sides(module):
+            # kvguard_connector_info{connector}: which connector this engine runs
+            self._wrap(state, module, f"{owner}.__init__", _CONNECTOR_WRAPPERS[connector_of(module.__name__)])
+            if not state.settings.site_disabled(names.BLOCK_EXCLUSIVE_SITE_ID):
+                # both connectors' scheduler sides: no GPU block twice across a request's groups
+                self._wrap(state, module, f"{owner}.update_state_after_alloc", exclusive.exclusive_wrapper)
+            if f"{owner}.get_num_new_matched_tokens" not in lookups:
+                # a scheduler side without the admission check (the SimpleCPUOffloadConnector's):
+                # its loads write every block they make computed, and the wait bound watches
+                # its async loads (every wait ends)
+                self._wrap(state, module, f"{owner}.get_num_new_matched_tokens", written.lookup_wrapper)
+                if not state.settings.site_disabled(names.LOAD_WRITES_SITE_ID):
+                    self._wrap(state, module, f"{owner}.update_state_after_alloc", written.written_wrapper)
+                self._wrap(state, module, f"{owner}.__init__", wait_bound.attach_wrapper)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]
@@ -545,6 +560,22 @@ class OffloadGuardInstrumentor:
         state.attr_patches.append((owner, attr, original))
         state.wrapped.add((qualname, wrapper))
         return True
+
+
+def _connector_wrapper(connector: str) -> Any:
+    """A ``wrapt`` wrapper of a connector's scheduler side ``__init__``: vLLM's constructor,
+    then ``kvguard_connector_info{connector}`` set to 1 (:func:`counts.connector_guarded`)."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        counts.connector_guarded(connector)
+        return result
+
+    return wrapper
+
+
+#: one wrapper per connector (``_wrap`` keeps a (qualname, wrapper) pair once)
+_CONNECTOR_WRAPPERS = {c: _connector_wrapper(c) for c in names.CONNECTORS}
 
 
 #: vLLM versions whose ``vllm_unmeasured`` event this process has logged (once each).

@@ -49,7 +49,7 @@ from typing import Any
 from kvguard.guards import names
 from kvguard.guards.telemetry import counts
 
-__all__ = ["register_failure", "fail_waiting", "find_scheduler", "method_returned", "failed_requests", "reset"]
+__all__ = ["register_failure", "fail_waiting", "fail_unloaded", "find_scheduler", "method_returned", "failed_requests", "reset"]
 
 #: frames walked up from the failing method to find the Scheduler (schedule() is 2 up)
 _MAX_HOPS = 8
@@ -89,6 +89,15 @@ def fail_waiting(scheduler: Any, connector_scheduler: Any, request_id: str, erro
     is None; never raises.
     """
     return _register(scheduler, connector_scheduler, request_id, error, keep_status=True)
+
+
+def fail_unloaded(scheduler: Any, connector_scheduler: Any, request_id: str, error: str) -> bool:
+    """Fail a request whose load was never issued alone, as for a failed request-scoped
+    assert (module doc, steps 2-4: its status set back to ``WAITING`` and its blocks freed
+    at once, ``FINISHED_ERROR``, its client told). Used by the exclusive-block check
+    (:mod:`kvguard.guards.checks.admission.exclusive`). False when either scheduler is None
+    or kvguard failed (counted); never raises."""
+    return _register(scheduler, connector_scheduler, request_id, error, keep_status=False)
 
 
 def _register(scheduler: Any, connector_scheduler: Any, request_id: str, error: str, keep_status: bool) -> bool:

@@ -45,6 +45,7 @@ class NullMetrics:
     def violation(self, check: str, action: str) -> None: ...
     def guard_error(self, stage: str) -> None: ...
     def swa_ratio(self, ratio: float) -> None: ...
+    def connector_guarded(self, connector: str) -> None: ...
 
 
 class NullEvents:
@@ -137,6 +138,25 @@ def guard_error(stage: str, error: BaseException) -> None:
         events.guard_error(stage=stage, error=f"{type(error).__name__}: {error}")
     except Exception:  # pragma: no cover
         pass
+
+
+#: the connectors whose scheduler side was built under kvguard in this process
+_connectors: set[str] = set()
+
+
+def connector_guarded(connector: str) -> None:
+    """A connector's scheduler side was built under kvguard (``kvguard_connector_info``);
+    an error of the sink counts ``stage="metrics"``; never raises."""
+    _connectors.add(connector)
+    try:
+        metrics.connector_guarded(connector)
+    except Exception as error:
+        guard_error(names.STAGE_METRICS, error)
+
+
+def connectors() -> set[str]:
+    """The connectors :func:`connector_guarded` saw in this process (not cleared by :func:`reset`)."""
+    return set(_connectors)
 
 
 def guard_errors() -> dict[str, int]:

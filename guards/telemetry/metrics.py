@@ -74,6 +74,10 @@ _HELP = {
     names.METRIC_GUARD_ERRORS: "Exceptions raised inside kvguard code (the original vLLM path ran).",
     names.METRIC_SWA_PENDING_BOUND_RATIO: "Pending sliding-window GPU blocks of a load divided by the exact bound.",
     names.METRIC_SITE_INSTALLED: "1 when the check site is installed in this process, else 0.",
+    names.METRIC_CONNECTOR_INFO: (
+        "1 for the CPU offload connector (OffloadingConnector or SimpleCPUOffloadConnector) whose "
+        "scheduler side kvguard guards in this engine."
+    ),
     names.METRIC_ENGINE_FATAL: "Fatal EngineCore exceptions recorded by kvguard, by exception type.",
     names.METRIC_RECOMPUTED_TOKENS: (
         "Tokens vLLM recomputes instead of loading because kvguard reduced a cache hit, by check."
@@ -204,6 +208,10 @@ class _RegistryBackend:
                 n.METRIC_SITE_INSTALLED, _HELP[n.METRIC_SITE_INSTALLED], (n.LABEL_SITE,),
                 registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
             ),
+            n.METRIC_CONNECTOR_INFO: Gauge(
+                n.METRIC_CONNECTOR_INFO, _HELP[n.METRIC_CONNECTOR_INFO], (n.LABEL_CONNECTOR,),
+                registry=registry, multiprocess_mode=SITE_GAUGE_MULTIPROCESS_MODE,
+            ),
             n.METRIC_SWA_PENDING_BOUND_RATIO: Histogram(
                 n.METRIC_SWA_PENDING_BOUND_RATIO, _HELP[n.METRIC_SWA_PENDING_BOUND_RATIO],
                 buckets=SWA_RATIO_BUCKETS, registry=registry,
@@ -328,6 +336,12 @@ class GuardMetrics:
         """Set ``kvguard_site_installed{site}`` to 1 or 0; ValueError for an unknown site."""
         _validate(site, known_site_ids(), "site")
         self._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: site}, 1.0 if installed else 0.0)
+
+    def connector_guarded(self, connector: str) -> None:
+        """Set ``kvguard_connector_info{connector}`` to 1 (a connector's scheduler side was built
+        under kvguard); ValueError for a name outside :data:`~kvguard.guards.names.CONNECTORS`."""
+        _validate(connector, names.CONNECTORS, "connector")
+        self._b.gauge_set(names.METRIC_CONNECTOR_INFO, {names.LABEL_CONNECTOR: connector}, 1.0)
 
     def engine_fatal(self, exception: str) -> None:
         """Count a fatal EngineCore exception by its class name (``exception`` label, through

@@ -198,6 +198,7 @@ def test_every_kvguard_metric_used_is_in_a_real_sidecar_scrape(tmp_path):
     metrics = GuardMetrics(state_dir=tmp_path)  # pre-creates the check/stage series at 0
     site = found.sites[0].site_id
     metrics.site_installed(site, True)  # what the instrumentor does per installed site
+    metrics.connector_guarded("SimpleCPUOffloadConnector")  # a connector's scheduler side was built
     (tmp_path / "fatal").mkdir(exist_ok=True)
     # no lifespan: the health poller does not run; nothing listens on this port
     app = create_app(SidecarConfig(vllm_url="http://127.0.0.1:9", state_dir=tmp_path))

@@ -41,6 +41,7 @@ def test_state_dir_files_are_read_by_multiprocess_collector(tmp_path, monkeypatc
     m.guard_error("check")
     m.swa_ratio(129 / 129)
     m.site_installed(SITE_SWA_PENDING_BOUND, True)
+    m.connector_guarded("SimpleCPUOffloadConnector")
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ  # never set inside vLLM
     assert sorted(p.name.split("_")[0] for p in (tmp_path / "metrics").iterdir()) == ["counter", "gauge", "histogram"]
     r = scrape(tmp_path / "metrics")
@@ -54,6 +55,8 @@ def test_state_dir_files_are_read_by_multiprocess_collector(tmp_path, monkeypatc
     assert r.get_sample_value("kvguard_swa_pending_bound_ratio_bucket", {"le": "0.99"}) == 0
     assert r.get_sample_value("kvguard_swa_pending_bound_ratio_count") == 1
     assert r.get_sample_value("kvguard_site_installed", {"site": SITE_SWA_PENDING_BOUND}) == 1
+    assert r.get_sample_value("kvguard_connector_info", {"connector": "SimpleCPUOffloadConnector"}) == 1
+    assert r.get_sample_value("kvguard_connector_info", {"connector": "OffloadingConnector"}) is None
 
 
 def test_every_closed_label_child_exists_at_zero(tmp_path):
@@ -130,6 +133,7 @@ def test_get_metrics_is_one_instance_per_target(tmp_path):
         lambda m: m.violation("swa_pending_bound", "ignored"),
         lambda m: m.guard_error("nowhere"),
         lambda m: m.site_installed("no:such:site", True),
+        lambda m: m.connector_guarded("LMCacheConnectorV1"),
         lambda m: m.check_skipped("load_coverage", "some text"),
         lambda m: m.check_skipped("swa_pending_bound", "group_kind"),
     ],

@@ -39,15 +39,15 @@ def _lookup_pins_its_hit() -> bool:
     return "touch" in inspect.getsource(SimpleCPUOffloadScheduler.get_num_new_matched_tokens)
 
 
-def _replay(guard: bool, fault: str | None = None, trace=None):
+def _replay(guard: bool, fault: str | None = None, trace=None, policy: str = "guard"):
     trace = trace or load_trace(TRACE)
     if guard:
-        harness.install_guard("guard")  # before vLLM's offload modules are imported
+        harness.install_guard(policy)  # before vLLM's offload modules are imported
     else:
         harness.uninstall_guard()
     engine = harness.build_engine(trace.geometry, trace.worker)
     engine.worker.fault = fault
-    return engine, harness.run_replay(trace, guard=guard, engine=engine)
+    return engine, harness.run_replay(trace, guard=guard, engine=engine, policy=policy)
 
 
 def _hit_blocks(trace) -> int:
@@ -147,3 +147,77 @@ def test_events_are_reported_in_launch_order_per_direction() -> None:
             assert steps == sorted(steps)  # never a later event before an earlier one
             held_back += sum(1 for r in records if r.done_step is not None and r.done_step > queue_done[r.job_id])
     assert held_back > 0
+
+
+# -- the classes the SimpleCPUOffloadConnector fuzz found (vLLM 0.21.0, seed 4242) ----------
+TRACES = __import__("pathlib").Path(__file__).parent / "traces"
+
+
+def _two_phase_allocation() -> bool:
+    """vLLM #33775's fix in the installed code: the single-type managers add every group's
+    prefix-cache hit before any group allocates external blocks (``add_local_computed_blocks``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    return hasattr(SingleTypeKVCacheManager, "add_local_computed_blocks")
+
+
+def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_failed_request_with_it() -> None:
+    trace = load_trace(str(TRACES / "simple-33775.jsonl"))
+    _, plain = _replay(guard=False, trace=trace)
+    _, observed = _replay(guard=True, trace=trace, policy="observe")
+    engine, guarded = _replay(guard=True, trace=trace)
+    checks = guarded.checks["block_exclusive"]
+    assert checks["evaluated"] >= guarded.submitted  # every admission was checked
+    if _two_phase_allocation():
+        assert plain.ok and guarded.ok and guarded.finished == guarded.submitted
+        assert checks["violations"] == 0
+        return
+    assert plain.engine_survived and plain.wrong_kv_blocks > 0  # vLLM alone serves wrong KV
+    assert {o["request_id"] for o in plain.worker.oracle.wrong_kv} == {"agent-1/turn-1"}
+    assert observed.wrong_kv_blocks == plain.wrong_kv_blocks  # observe: vLLM's behaviour, counted
+    # every admission of that request sees it (the load, then its resumption: 0.21.0 calls
+    # update_state_after_alloc again when the loaded request is scheduled)
+    assert observed.checks["block_exclusive"]["continued"] >= 1 and observed.failed_requests == []
+    assert guarded.ok and guarded.wrong_kv_blocks == 0
+    assert [f["request_id"] for f in guarded.failed_requests] == ["agent-1/turn-1"]
+    assert "block_exclusive" in guarded.failed_requests[0]["error"]
+    assert checks["request_failed"] == 1 and guarded.finished == guarded.submitted - 1
+
+
+def test_the_wait_bound_ends_a_simple_connector_wait_vllm_never_ends() -> None:
+    """Expectation from the release's own unguarded outcome: where vLLM alone stalls, the
+    guarded replay ends the stalled wait (that request fails alone) and finishes the rest."""
+    trace = load_trace(str(TRACES / "simple-remote-kvs-stall.jsonl"))
+    _, plain = _replay(guard=False, trace=trace)
+    _, guarded = _replay(guard=True, trace=trace)
+    assert guarded.ok and not guarded.stalled and guarded.wrong_kv_blocks == 0
+    if plain.ok:
+        assert guarded.finished == guarded.submitted and guarded.failed_requests == []
+        return
+    assert plain.stalled and any(s["kind"] == "remote_kvs_never_promoted" for s in plain.stalls)
+    stalled = {s["request_id"] for s in plain.stalls if s["kind"] == "remote_kvs_never_promoted"}
+    assert {f["request_id"] for f in guarded.failed_requests} == stalled
+    assert all("wait_bound" in f["error"] for f in guarded.failed_requests)
+    assert guarded.checks["wait_bound"]["load_not_promoted:request_failed"] == len(stalled)
+
+
+def test_a_load_that_leaves_blocks_unwritten_is_withdrawn_and_its_request_fails_alone() -> None:
+    """Expectation from the release's own unguarded outcome (the trace needs
+    ``extra_retained_tokens``: a release without it refuses the geometry, naming the field)."""
+    trace = load_trace(str(TRACES / "simple-retained-unwritten.jsonl"))
+    try:
+        _, plain = _replay(guard=False, trace=trace)
+    except RuntimeError as exc:  # 0.21.0-0.26.0: SlidingWindowSpec has no extra_retained_tokens
+        assert "extra_retained_tokens" in str(exc)
+        return
+    _, guarded = _replay(guard=True, trace=trace)
+    checks = guarded.checks["load_writes"]
+    assert guarded.engine_survived and not guarded.stalled and guarded.wrong_kv_blocks == 0 and guarded.ok
+    assert checks["evaluated"] >= 1
+    if plain.ok:
+        assert checks["violations"] == 0 and guarded.failed_requests == []
+        return
+    assert plain.wrong_kv_blocks > 0  # vLLM alone caches the unwritten blocks and serves them
+    assert checks["request_failed"] >= 1 and checks["continued"] == checks["raised"] == 0
+    assert guarded.failed_requests and all("load_writes" in f["error"] for f in guarded.failed_requests)
+    assert len(guarded.failed_requests) == checks["request_failed"]

@@ -1,0 +1,172 @@
+"""Every block a load makes computed is written by it (check ``load_writes``).
+
+End-to-end invariant: when a connector's load completes, vLLM treats every GPU block of the
+request's external range as computed and caches it under the request's block hash
+(``Scheduler._update_waiting_for_remote_kv`` -> ``cache_blocks``), so a later request's
+GPU prefix-cache hit reads it. Every such block must therefore be written by the load: in
+each KV cache group ``g`` (``b_g`` tokens per block), the non-null GPU blocks at indices
+``[local // b_g, cdiv(local + external, b_g))`` of the request's table (``local``: the
+local hit the lookup was given, ``external``: the tokens the scheduler accepted) must all be
+destinations of the connector's load. A block left out keeps whatever its last owner wrote,
+is cached as this request's KV, and is served to the next prefix hit as wrong KV.
+
+Where vLLM breaks it (the lab's SimpleCPUOffloadConnector fuzz, seed 4242, on 0.29.0 and
+0.34.0): a sliding-window group with ``extra_retained_tokens``. The GPU KV cache manager keeps
+(allocates) the retained blocks below the window; the connector's CPU hit supplies the
+sliding-window group's blocks only from the window on (null below), and its
+``update_state_after_alloc`` skips null CPU blocks ("Skip null blocks (e.g. sliding window
+or mamba padding)"), so the retained GPU blocks get no copy and are cached with stale KV.
+
+Read from vLLM's own data, per release: ``local`` is the ``num_computed_tokens`` the
+scheduler passed to the connector's lookup for that request (recorded by
+:func:`lookup_wrapper`); the load's destinations are the connector's
+``_reqs_to_load[request_id].transfer_meta.gpu_block_ids`` (the SimpleCPUOffloadConnector,
+0.21.0-0.34.0: the same field on every release). A scheduler side without them (the
+OffloadingConnector, whose loads the ``load_coverage`` and ``copy_coverage`` checks read)
+is not checked here.
+
+Action by policy (inside ``Scheduler.schedule()``, before the step's
+``build_connector_meta`` issues the load):
+
+- ``observe``: counted (``continued``); the load runs as vLLM built it.
+- ``strict``: counted (``raised``), :class:`~kvguard.guards.checks.admission.counters.StrictFailure`.
+- ``guard``: the load is withdrawn through vLLM's own release of a load
+  (``_cleanup_load_request``: its CPU and GPU pins freed) and the request fails alone
+  (:func:`kvguard.guards.policy.degrade.fail_unloaded`, ``request_failed``): its blocks are
+  freed without being cached. Where that release method or a ``Scheduler`` is missing:
+  ``raised`` (a dead engine is better than one that serves wrong KV).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvguard.guards import names
+from kvguard.guards.checks import wait_bound
+from kvguard.guards.checks.admission import counters
+from kvguard.guards.policy import degrade, runtime
+
+__all__ = ["unwritten_blocks", "lookup_wrapper", "written_wrapper", "snapshot"]
+
+PREFIX = "load_writes:"
+#: per connector scheduler: request id -> the local hit (tokens) its last lookup with a hit was given
+LOCAL_ATTR = "_kvguard_lookup_local_tokens"
+
+
+def unwritten_blocks(block_ids_by_group: Any, block_sizes: list[int], local: int, external: int,
+                     destinations: set[int]) -> list[tuple[int, int, int]]:
+    """``(group, block index, GPU block id)`` of every non-null block of the external range
+    ``[local // b_g, cdiv(local + external, b_g))`` that is not a load destination.
+    ``block_sizes``: tokens per GPU block of each group; tokens in, indices out."""
+    out = []
+    end_tokens = local + external
+    for g, ids in enumerate(block_ids_by_group):
+        b = block_sizes[g]
+        for i in range(local // b, min(len(ids), -(-end_tokens // b))):
+            if ids[i] and ids[i] not in destinations:
+                out.append((g, i, int(ids[i])))
+    return out
+
+
+def snapshot() -> dict[str, int]:
+    """In-process counts since :func:`counters.reset`: ``evaluated`` (loads checked),
+    ``request_failed``, ``continued``, ``raised`` and ``violations`` (their sum)."""
+    out = {k: counters.stats.get(PREFIX + k, 0) for k in ("evaluated", "request_failed", "continued", "raised")}
+    out["violations"] = out["request_failed"] + out["continued"] + out["raised"]
+    return out
+
+
+def lookup_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapt`` wrapper of the lookup of a connector scheduler kvguard's admission check does
+    not run in (the SimpleCPUOffloadConnector's): vLLM's answer unchanged; for an answer
+    with a hit, the local hit it was given is recorded (for :func:`written_wrapper`) and the
+    wait bound sees the answer (:func:`kvguard.guards.checks.wait_bound.observe_answer`).
+    An error of kvguard's is counted (``stage="admission"``), never raised."""
+    answer = wrapped(*args, **kwargs)
+    try:
+        request = args[0] if args else kwargs["request"]
+        if answer is not None and answer[0]:
+            local = args[1] if len(args) > 1 else kwargs["num_computed_tokens"]
+            table = instance.__dict__.get(LOCAL_ATTR)
+            if table is None:
+                table = instance.__dict__[LOCAL_ATTR] = {}
+            table[request.request_id] = int(local)
+        wait_bound.observe_answer(instance, request, answer)
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+    return answer
+
+
+def _record(action: str, request: Any, unwritten: list[tuple[int, int, int]], external: int, policy: str) -> None:
+    counters.bump(PREFIX + action)
+    if counters.sink_metrics is not None:
+        try:
+            counters.sink_metrics.violation(names.CHECK_LOAD_WRITES, action)
+        except Exception as error:
+            runtime.guard_error(names.STAGE_METRICS, error)
+    if counters.sink_events is not None:
+        counters.sink_events.check_failed(**{
+            names.KEY_SITE: names.LOAD_WRITES_SITE_ID,
+            names.KEY_CHECK: names.CHECK_LOAD_WRITES,
+            names.KEY_ACTION: action,
+            names.KEY_POLICY: policy,
+            names.KEY_REQUEST_ID: getattr(request, "request_id", None),
+            names.KEY_UNWRITTEN_BLOCKS: [list(u) for u in unwritten[:8]],
+            names.KEY_EXTERNAL_HIT_TOKENS: external,
+        })
+
+
+def _check(instance: Any, request: Any, blocks: Any, external: int) -> list[tuple[int, int, int]] | None:
+    """The unwritten blocks of the load vLLM just recorded, or None when nothing is checked
+    (no load, or this scheduler side does not record its loads so)."""
+    rid = request.request_id
+    local = (instance.__dict__.get(LOCAL_ATTR) or {}).pop(rid, None)
+    state = (getattr(instance, "_reqs_to_load", None) or {}).get(rid)
+    meta = getattr(state, "transfer_meta", None)
+    if external <= 0 or local is None or meta is None:
+        return None
+    sizes = [int(g.kv_cache_spec.block_size) for g in instance.kv_cache_config.kv_cache_groups]
+    counters.bump(PREFIX + "evaluated")
+    return unwritten_blocks(blocks.get_block_ids(), sizes, local, external, set(meta.gpu_block_ids))
+
+
+def written_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapt`` wrapper of such a connector scheduler's ``update_state_after_alloc``: vLLM's
+    method, then the check of the load it recorded (module doc). Raises
+    :class:`~kvguard.guards.checks.admission.counters.StrictFailure` under ``strict`` and
+    ``AssertionError`` under ``guard`` where the request cannot fail alone."""
+    result = wrapped(*args, **kwargs)
+    if runtime.suppress_depth:
+        return result
+    try:
+        request, blocks, external = (args[0], args[1], int(args[2])) if len(args) == 3 else (
+            kwargs.get("request", args[0] if args else None), kwargs.get("blocks"), int(kwargs.get("num_external_tokens", 0)))
+        unwritten = _check(instance, request, blocks, external)
+    except Exception as error:
+        runtime.guard_error(names.STAGE_ADMISSION, error)
+        return result
+    if not unwritten:
+        return result
+    policy = runtime.policy()
+    rid = request.request_id
+    what = (f"kvguard {names.CHECK_LOAD_WRITES}: the load of request {rid} leaves {len(unwritten)} GPU block(s) "
+            f"of its external range unwritten (group, index, block id: {unwritten[:4]}); vLLM would cache "
+            "them as this request's KV (wrong KV for the next prefix hit)")
+    if policy == names.POLICY_OBSERVE:
+        _record(names.ACTION_CONTINUED, request, unwritten, external, policy)
+        return result
+    if policy == names.POLICY_STRICT:
+        _record(names.ACTION_RAISED, request, unwritten, external, policy)
+        raise counters.StrictFailure(what)
+    release = getattr(instance, "_cleanup_load_request", None)
+    scheduler = degrade.find_scheduler(sys._getframe(1), rid)
+    if release is None or scheduler is None:
+        _record(names.ACTION_RAISED, request, unwritten, external, policy)
+        raise AssertionError(what)
+    release(rid)  # vLLM's own release of a load not yet issued: its pins freed
+    if not degrade.fail_unloaded(scheduler, instance, rid, what + "; request failed alone"):
+        _record(names.ACTION_RAISED, request, unwritten, external, policy)
+        raise AssertionError(what)
+    _record(names.ACTION_REQUEST_FAILED, request, unwritten, external, policy)
+    return result
