@@ -276,7 +276,7 @@ LOAD_WRITES_SITE_ID = "admission:load_writes"
 KEY_UNWRITTEN_BLOCKS = "unwritten_blocks"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS,
-                                     CHECK_COPY_COVERAGE)
+                                     CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)
 KEY_LOST_READY_CHUNKS = "lost_ready_chunks"
 KEY_FIRST_LOST = "first_lost"
 KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"

@@ -346,3 +346,25 @@ def test_run_example_replays_with_the_traces_worker_model():
     (finding,) = outcome.findings
     assert "get_finished" in finding.name and "success" in (result.error or "")
     assert "does not support failed transfers" in runner.known_issue(finding.name, result.error)
+
+#: Examples of the guarded SimpleCPUOffloadConnector run on every full release (about 10 s)
+SIMPLE_EXAMPLES = 200
+
+
+def test_guarded_simple_connector_fuzz_has_no_kvguard_bug(tmp_path):
+    """Seed 0, ``--connector SimpleCPUOffloadConnector``, guard on, on every full release
+    (issue 30): every example replays vLLM's SimpleCPUOffloadConnector; 0 kvguard-caused deaths,
+    0 wrong-KV blocks, no kvguard bug, no guard error, no request left waiting (the wait
+    bound ends vLLM 0.21.0's remote-KV stall). A death here can only be vLLM's own (0.21.0's
+    block-pool free-queue asserts with this connector, docs/fuzz.md): never kvguard's."""
+    r = runner.fuzz(seed=0, examples=SIMPLE_EXAMPLES, guard=True, out_dir=tmp_path, shrink_replays=4,
+                    connector="SimpleCPUOffloadConnector")
+    assert r["harness_error"] is None and r["connector"] == "SimpleCPUOffloadConnector"
+    assert r["examples"] + r["invalid_geometries"] == SIMPLE_EXAMPLES
+    assert r["simple_connector_examples"] == r["examples"] > SIMPLE_EXAMPLES // 2
+    assert r["steps"] > 10 * r["examples"]
+    assert r["kvguard_deaths"] == 0 and r["wrong_kv_blocks"] == 0 and r["kvguard_bugs"] == 0
+    assert not [c for c in r["classes"] if c["kind"] in ("guard-error", "stall", "wrong-kv")]
+    assert all(not c["kvguard_bug"] for c in r["classes"])
+    # every geometry vLLM refused is the connector's own start-up refusal (no full-attention group)
+    assert set(r["invalid_reasons"]) <= {"AssertionError"}

@@ -30,7 +30,12 @@ Action by policy (inside ``Scheduler.schedule()``, before the step's
 
 - ``observe``: counted (``continued``); the load runs as vLLM built it.
 - ``strict``: counted (``raised``), :class:`~kvguard.guards.checks.admission.counters.StrictFailure`.
-- ``guard``: the load is withdrawn through vLLM's own release of a load
+- ``guard``, at the lookup (before anything is allocated): where the pinned hit's CPU blocks
+  can be read (0.25.1 and later), a hit whose load would leave blocks unwritten
+  (:func:`predicted_unwritten`) is answered ``(0, False)``: vLLM recomputes those tokens
+  (``hit_reduced``), the request is served. Where a load still leaves a block unwritten at
+  ``update_state_after_alloc`` (a prediction missed, or 0.21.0):
+- ``guard``, after allocation: the load is withdrawn through vLLM's own release of a load
   (``_cleanup_load_request``: its CPU and GPU pins freed) and the request fails alone
   (:func:`kvguard.guards.policy.degrade.fail_unloaded`, ``request_failed``): its blocks are
   freed without being cached. Where that release method or a ``Scheduler`` is missing:
@@ -71,18 +76,49 @@ def unwritten_blocks(block_ids_by_group: Any, block_sizes: list[int], local: int
 
 def snapshot() -> dict[str, int]:
     """In-process counts since :func:`counters.reset`: ``evaluated`` (loads checked),
-    ``request_failed``, ``continued``, ``raised`` and ``violations`` (their sum)."""
-    out = {k: counters.stats.get(PREFIX + k, 0) for k in ("evaluated", "request_failed", "continued", "raised")}
-    out["violations"] = out["request_failed"] + out["continued"] + out["raised"]
+    ``hit_reduced`` (hits answered 0 at the lookup), ``request_failed``, ``continued``,
+    ``raised``, ``recomputed_tokens`` and ``violations`` (the sum of the actions)."""
+    keys = ("evaluated", "hit_reduced", "request_failed", "continued", "raised", "recomputed_tokens")
+    out = {k: counters.stats.get(PREFIX + k, 0) for k in keys}
+    out["violations"] = out["hit_reduced"] + out["request_failed"] + out["continued"] + out["raised"]
+    return out
+
+
+def predicted_unwritten(cs: Any, request_id: str, local: int, hit: int) -> list[tuple[int, int]] | None:
+    """``(group, block index)`` the load of the ``hit`` tokens the lookup just pinned after
+    ``local`` tokens would leave unwritten, read before allocation from vLLM's own state: the
+    pinned hit's CPU blocks per group (``_pending_cpu_hits[request_id][0]``; 0.25.1 and
+    later) against the blocks the GPU KV cache manager will keep non-null in the external
+    range, ``[max(local // b_g, skipped_g), cdiv(local + hit, b_g))`` with ``skipped_g`` the
+    group's own ``get_num_skipped_tokens(local + hit) // b_g`` (the connector's CPU
+    coordinator has the same KV cache groups as the GPU's). None when not readable."""
+    pending = (getattr(cs, "_pending_cpu_hits", None) or {}).get(request_id)
+    coordinator = getattr(cs, "cpu_coordinator", None)
+    if pending is None or coordinator is None:
+        return None
+    cpu_blocks = pending[0]
+    total = int(local) + int(hit)
+    out = []
+    for g, manager in enumerate(coordinator.single_type_managers):
+        b = int(manager.block_size)
+        first = max(int(local) // b, int(manager.get_num_skipped_tokens(total)) // b)
+        cpu = cpu_blocks[g] if g < len(cpu_blocks) else ()
+        for i in range(first, -(-total // b)):
+            j = i - int(local) // b
+            if j >= len(cpu) or cpu[j].is_null:
+                out.append((g, i))
     return out
 
 
 def lookup_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``wrapt`` wrapper of the lookup of a connector scheduler kvguard's admission check does
-    not run in (the SimpleCPUOffloadConnector's): vLLM's answer unchanged; for an answer
-    with a hit, the local hit it was given is recorded (for :func:`written_wrapper`) and the
-    wait bound sees the answer (:func:`kvguard.guards.checks.wait_bound.observe_answer`).
-    An error of kvguard's is counted (``stage="admission"``), never raised."""
+    not run in (the SimpleCPUOffloadConnector's). For an answer with a hit: the local hit it
+    was given is recorded (for :func:`written_wrapper`); under ``guard``, a hit whose load
+    would leave blocks unwritten (:func:`predicted_unwritten`) is answered ``(0, False)``
+    instead: vLLM recomputes it (``hit_reduced``, ``kvguard_recomputed_tokens_total``), and
+    its own ``update_state_after_alloc`` releases the pinned hit. The wait bound sees the
+    answer (:func:`kvguard.guards.checks.wait_bound.observe_answer`). An error of kvguard's is
+    counted (``stage="admission"``) and vLLM's answer passes."""
     answer = wrapped(*args, **kwargs)
     try:
         request = args[0] if args else kwargs["request"]
@@ -92,17 +128,28 @@ def lookup_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
             if table is None:
                 table = instance.__dict__[LOCAL_ATTR] = {}
             table[request.request_id] = int(local)
+            if not runtime.suppress_depth and runtime.policy() == names.POLICY_GUARD:
+                unwritten = predicted_unwritten(instance, request.request_id, int(local), int(answer[0]))
+                if unwritten:
+                    _record(names.ACTION_HIT_REDUCED, request, [(g, i, -1) for g, i in unwritten],
+                            int(answer[0]), names.POLICY_GUARD, recomputed=int(answer[0]))
+                    table.pop(request.request_id, None)
+                    answer = (0, False)
         wait_bound.observe_answer(instance, request, answer)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
     return answer
 
 
-def _record(action: str, request: Any, unwritten: list[tuple[int, int, int]], external: int, policy: str) -> None:
+def _record(action: str, request: Any, unwritten: list[tuple[int, int, int]], external: int, policy: str,
+            recomputed: int = 0) -> None:
     counters.bump(PREFIX + action)
+    counters.bump(PREFIX + "recomputed_tokens", recomputed)
     if counters.sink_metrics is not None:
         try:
             counters.sink_metrics.violation(names.CHECK_LOAD_WRITES, action)
+            if recomputed:
+                counters.sink_metrics.recomputed_tokens(names.CHECK_LOAD_WRITES, recomputed)
         except Exception as error:
             runtime.guard_error(names.STAGE_METRICS, error)
     if counters.sink_events is not None:
