@@ -41,4 +41,5 @@ def test_every_metric_name():
         "kvguard_engine_up", "kvguard_engine_deaths_total", "kvguard_build_info",
         "kvguard_recomputed_tokens_total", "kvguard_sidecar_errors_total", "kvguard_sidecar_unreadable",
         "kvguard_check_skipped_total", "kvguard_wait_bound_exceeded_total",
+        "kvguard_connector_info",
     }

@@ -187,7 +187,7 @@ def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_failed_reques
 def test_the_wait_bound_ends_a_simple_connector_wait_vllm_never_ends() -> None:
     """Expectation from the release's own unguarded outcome: where vLLM alone stalls, the
     guarded replay ends the stalled wait (that request fails alone) and finishes the rest."""
-    trace = load_trace(str(TRACES / "simple-remote-kvs-stall.jsonl"))
+    trace = load_trace(str(TRACES / "stall-simple-remote-kvs-021.jsonl"))
     _, plain = _replay(guard=False, trace=trace)
     _, guarded = _replay(guard=True, trace=trace)
     assert guarded.ok and not guarded.stalled and guarded.wrong_kv_blocks == 0
