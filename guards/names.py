@@ -274,6 +274,16 @@ CHECK_LOAD_WRITES = "load_writes"
 CHECKS = CHECKS + (CHECK_LOAD_WRITES,)
 LOAD_WRITES_SITE_ID = "admission:load_writes"
 KEY_UNWRITTEN_BLOCKS = "unwritten_blocks"
+# --- a connector frees each GPU block once per call (kvguard.guards.checks.pool_frees) ---
+#: vLLM's ``BlockPool.free_blocks`` appends a block listed twice that reaches 0 twice: the free
+#: queue then hands it to two readers (the SimpleCPUOffloadConnector on 0.21.0).
+CHECK_GPU_FREE_ONCE = "gpu_free_once"
+CHECKS = CHECKS + (CHECK_GPU_FREE_ONCE,)
+GPU_FREE_ONCE_SITE_ID = "pool:gpu_free_once"
+#: the call split into rounds that list each block once
+ACTION_FREE_SPLIT = "free_split"
+ACTIONS = ACTIONS + (ACTION_FREE_SPLIT,)
+KEY_DUPLICATED_BLOCKS = "duplicated_blocks"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS,
                                      CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)

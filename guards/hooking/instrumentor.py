@@ -62,7 +62,7 @@ from importlib import metadata
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.checks import admission, asserts, wait_bound
+from kvguard.guards.checks import admission, asserts, pool_frees, wait_bound
 from kvguard.guards.checks.admission import exclusive, written
 from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.hook import GuardFinder, install_finder, uninstall_finder
@@ -513,6 +513,10 @@ class OffloadGuardInstrumentor:
         for owner in exclusive.scheduler_sides(module):
             # kvguard_connector_info{connector}: which connector this engine runs
             self._wrap(state, module, f"{owner}.__init__", _CONNECTOR_WRAPPERS[connector_of(module.__name__)])
+            if not state.settings.site_disabled(names.GPU_FREE_ONCE_SITE_ID) and owner_has(
+                    module, owner, "bind_gpu_block_pool"):
+                # the GPU block pool the connector frees into: each block once per call
+                self._wrap(state, module, f"{owner}.bind_gpu_block_pool", pool_frees.bind_wrapper)
             if not state.settings.site_disabled(names.BLOCK_EXCLUSIVE_SITE_ID):
                 # both connectors' scheduler sides: no GPU block twice across a request's groups
                 self._wrap(state, module, f"{owner}.update_state_after_alloc", exclusive.exclusive_wrapper)
@@ -560,6 +564,12 @@ class OffloadGuardInstrumentor:
         state.attr_patches.append((owner, attr, original))
         state.wrapped.add((qualname, wrapper))
         return True
+
+
+def owner_has(module: types.ModuleType, owner: str, attr: str) -> bool:
+    """Whether class ``owner`` of ``module`` defines ``attr`` itself."""
+    cls = vars(module).get(owner)
+    return isinstance(cls, type) and attr in vars(cls)
 
 
 def _connector_wrapper(connector: str) -> Any:

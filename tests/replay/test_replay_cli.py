@@ -232,7 +232,8 @@ def test_guard_counts(trace: str, expected: dict) -> None:
     copies = out["checks"]["copy_coverage"]
     assert isinstance(copies["evaluated"], int) and copies["violations"] == 0 and copies["recomputed_tokens"] == 0
     admission_checks = (names.CHECK_LOAD_COVERAGE, names.CHECK_PROMOTION_FIT, names.CHECK_PROMOTION_PROGRESS,
-                        names.CHECK_COPY_COVERAGE, names.CHECK_BLOCK_EXCLUSIVE, names.CHECK_LOAD_WRITES)
+                        names.CHECK_COPY_COVERAGE, names.CHECK_BLOCK_EXCLUSIVE, names.CHECK_LOAD_WRITES,
+                        names.CHECK_GPU_FREE_ONCE)
     # the exclusive-block check reads every admission: no GPU block is given twice on the seeds
     exclusive = out["checks"]["block_exclusive"]
     assert exclusive["evaluated"] >= out["requests"]["submitted"] and exclusive["violations"] == 0

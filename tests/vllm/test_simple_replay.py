@@ -253,3 +253,23 @@ def test_where_the_lookup_cannot_predict_it_the_load_is_withdrawn_and_the_reques
     assert checks["hit_reduced"] == 0 and checks["request_failed"] >= 1
     assert guarded.failed_requests and all("load_writes" in f["error"] for f in guarded.failed_requests)
     assert len(guarded.failed_requests) == checks["request_failed"]
+
+
+def test_a_gpu_block_freed_twice_in_one_call_is_split() -> None:
+    """Expectation from the release's own unguarded outcome: where vLLM alone corrupts its
+    free queue (the engine dies in the pool's asserts, or serves wrong KV first), the guard
+    splits the connector's call and every request finishes with the right KV."""
+    trace = load_trace(str(TRACES / "simple-free-twice-021.jsonl"))
+    _, plain = _replay(guard=False, trace=trace)
+    _, guarded = _replay(guard=True, trace=trace)
+    checks = guarded.checks["gpu_free_once"]
+    assert guarded.ok and guarded.finished == guarded.submitted and guarded.wrong_kv_blocks == 0
+    assert checks["evaluated"] > 0  # the connector's frees went through the guarded pool
+    if plain.ok:
+        assert checks["violations"] == 0
+        return
+    assert not plain.engine_survived or plain.wrong_kv_blocks > 0
+    if not plain.engine_survived:
+        # vLLM's own free-queue asserts (FreeKVCacheBlockQueue.popleft_n / append_n)
+        assert "kv_cache_utils.py" in plain.error_site and plain.error_site.endswith(("popleft_n", "append_n"))
+    assert checks["free_split"] >= 1 and checks["continued"] == checks["raised"] == 0
