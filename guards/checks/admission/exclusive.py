@@ -45,7 +45,7 @@ from kvguard.guards import names
 from kvguard.guards.checks.admission import counters
 from kvguard.guards.policy import degrade, runtime
 
-__all__ = ["shared_blocks", "exclusive_wrapper", "scheduler_sides", "snapshot"]
+__all__ = ["shared_blocks", "exclusive_wrapper", "scheduler_sides", "snapshot", "bind_call"]
 
 #: key prefix of this check's counts in :data:`counters.stats`
 PREFIX = "block_exclusive:"
@@ -72,7 +72,7 @@ def snapshot() -> dict[str, int]:
     return out
 
 
-def _bind(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, int]:
+def bind_call(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, int]:
     """``(request, blocks, num_external_tokens)`` of a call, bound by vLLM's signature
     (the ``Scheduler`` passes the three positionally: no binding then)."""
     if len(args) == 3 and not kwargs:
@@ -113,7 +113,7 @@ def exclusive_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     if runtime.suppress_depth:  # inside runtime.suppressed(): vLLM's behaviour, uncounted
         return wrapped(*args, **kwargs)
     try:
-        request, blocks, num_external_tokens = _bind(wrapped, args, kwargs)
+        request, blocks, num_external_tokens = bind_call(wrapped, args, kwargs)
         shared = shared_blocks(blocks.get_block_ids())
         counters.bump(PREFIX + "evaluated")
     except Exception as error:

@@ -49,7 +49,7 @@ from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.checks import wait_bound
-from kvguard.guards.checks.admission import counters
+from kvguard.guards.checks.admission import counters, exclusive
 from kvguard.guards.policy import degrade, runtime
 
 __all__ = ["unwritten_blocks", "lookup_wrapper", "written_wrapper", "snapshot"]
@@ -84,6 +84,25 @@ def snapshot() -> dict[str, int]:
     return out
 
 
+def modelled(cs: Any) -> bool:
+    """Whether the check reads this connector scheduler's layout as vLLM does: no speculative
+    decoding (``vllm_config.speculative_config`` is None) and no context parallelism
+    (``cp_world_size`` 1). vLLM's own tests of eagle drafts and DCP-sharded groups
+    (``test_eager_store_matches_gpu_cacheable_prefix``, 0.34.0) keep blocks outside a load on
+    purpose, with block sizes and dropped blocks this check does not model; there it does not
+    run (nothing counted), and vLLM's behaviour is unchanged."""
+    config = getattr(cs, "vllm_config", None)
+    return getattr(config, "speculative_config", None) is None and int(getattr(cs, "cp_world_size", 1) or 1) == 1
+
+
+def _cached_groups(cs: Any, num_groups: int) -> list[int]:
+    """The KV cache groups vLLM caches a loaded request's blocks in: the connector's
+    ``prefix_cacheable_group_ids`` where it has them (0.34.0: a scratch or ring group is
+    neither stored, loaded nor cached), else every group."""
+    ids = getattr(cs, "prefix_cacheable_group_ids", None)
+    return [g for g in range(num_groups) if ids is None or g in ids]
+
+
 def predicted_unwritten(cs: Any, request_id: str, local: int, hit: int) -> list[tuple[int, int]] | None:
     """``(group, block index)`` the load of the ``hit`` tokens the lookup just pinned after
     ``local`` tokens would leave unwritten, read before allocation from vLLM's own state: the
@@ -94,12 +113,14 @@ def predicted_unwritten(cs: Any, request_id: str, local: int, hit: int) -> list[
     coordinator has the same KV cache groups as the GPU's). None when not readable."""
     pending = (getattr(cs, "_pending_cpu_hits", None) or {}).get(request_id)
     coordinator = getattr(cs, "cpu_coordinator", None)
-    if pending is None or coordinator is None:
+    if pending is None or coordinator is None or not modelled(cs):
         return None
     cpu_blocks = pending[0]
     total = int(local) + int(hit)
     out = []
-    for g, manager in enumerate(coordinator.single_type_managers):
+    managers = coordinator.single_type_managers
+    for g in _cached_groups(cs, len(managers)):
+        manager = managers[g]
         b = int(manager.block_size)
         first = max(int(local) // b, int(manager.get_num_skipped_tokens(total)) // b)
         cpu = cpu_blocks[g] if g < len(cpu_blocks) else ()
@@ -171,11 +192,14 @@ def _check(instance: Any, request: Any, blocks: Any, external: int) -> list[tupl
     local = (instance.__dict__.get(LOCAL_ATTR) or {}).pop(rid, None)
     state = (getattr(instance, "_reqs_to_load", None) or {}).get(rid)
     meta = getattr(state, "transfer_meta", None)
-    if external <= 0 or local is None or meta is None:
+    if external <= 0 or local is None or meta is None or not modelled(instance):
         return None
     sizes = [int(g.kv_cache_spec.block_size) for g in instance.kv_cache_config.kv_cache_groups]
     counters.bump(PREFIX + "evaluated")
-    return unwritten_blocks(blocks.get_block_ids(), sizes, local, external, set(meta.gpu_block_ids))
+    by_group = blocks.get_block_ids()
+    cached = set(_cached_groups(instance, len(by_group)))
+    found = unwritten_blocks(by_group, sizes, local, external, set(meta.gpu_block_ids))
+    return [u for u in found if u[0] in cached]
 
 
 def written_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -187,8 +211,7 @@ def written_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if runtime.suppress_depth:
         return result
     try:
-        request, blocks, external = (args[0], args[1], int(args[2])) if len(args) == 3 else (
-            kwargs.get("request", args[0] if args else None), kwargs.get("blocks"), int(kwargs.get("num_external_tokens", 0)))
+        request, blocks, external = exclusive.bind_call(wrapped, args, kwargs)
         unwritten = _check(instance, request, blocks, external)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
