@@ -7,8 +7,10 @@ twice is handed to two readers (wrong KV), and the list's own asserts end the en
 every block of its argument and then appends those at ``ref_cnt == 0`` (0.21.0,
 ``v1/core/block_pool.py``): a block listed twice in one call that reaches 0 is appended twice.
 
-Where it breaks (the lab's SimpleCPUOffloadConnector fuzz on vLLM 0.21.0, seeds 4242 and
-5151): one store event of the connector names a GPU block twice (two requests sharing a
+Whether the installed release enqueues such a block twice is read off its own code
+(:func:`duplicates_corrupt`: 0.21.0 does; 0.34.0 tests each block right after its
+decrement and enqueues it once, so there the check stays silent). Where it breaks (the
+lab's SimpleCPUOffloadConnector fuzz on vLLM 0.21.0, seeds 4242 and 5151): one store event of the connector names a GPU block twice (two requests sharing a
 prefix block stored in one step), the connector touched it once per pair and, at the
 event's completion, releases it with one ``free_blocks`` call listing it twice
 (``_process_store_completion``); the queue is corrupted, later requests read KV another
@@ -36,7 +38,7 @@ from kvguard.guards import names
 from kvguard.guards.checks.admission import counters
 from kvguard.guards.policy import runtime
 
-__all__ = ["GuardedBlockPool", "bind_wrapper", "rounds", "snapshot"]
+__all__ = ["GuardedBlockPool", "bind_wrapper", "rounds", "snapshot", "duplicates_corrupt"]
 
 PREFIX = "gpu_free_once:"
 
@@ -57,6 +59,34 @@ def rounds(blocks: list[Any]) -> list[list[Any]]:
             seen_per_round.append({key})
             out.append([block])
     return out
+
+
+_corrupts: dict[type, bool] = {}
+
+
+def duplicates_corrupt(pool_type: type) -> bool:
+    """Whether the installed ``pool_type.free_blocks`` enqueues a block listed twice twice,
+    found by running it on a stand-in pool (its queue records what is enqueued) with one
+    block listed twice at ``ref_cnt`` 2: True on 0.21.0 (it decrements every block, then
+    appends those at 0), False where the release tests each block right after its
+    decrement (0.34.0: once). A stand-in the release's code cannot run on counts as True
+    (the split is harmless: the same decrements). Cached per class."""
+    known = _corrupts.get(pool_type)
+    if known is not None:
+        return known
+    from types import SimpleNamespace
+
+    queued: list[Any] = []
+    queue = SimpleNamespace(append_n=queued.extend, prepend_n=queued.extend)
+    block = SimpleNamespace(is_null=False, ref_cnt=2, block_hash=None, pool=None, block_id=1)
+    stand_in = SimpleNamespace(free_block_queue=queue, enable_caching=True, _weak_self=None)
+    try:
+        pool_type.free_blocks(stand_in, [block, block])
+        result = queued.count(block) > 1
+    except Exception:
+        result = True
+    _corrupts[pool_type] = result
+    return result
 
 
 def snapshot() -> dict[str, int]:
@@ -94,6 +124,8 @@ class GuardedBlockPool(wrapt.ObjectProxy):
         try:
             counters.bump(PREFIX + "evaluated")
             split = rounds(blocks) if len({id(b) for b in blocks}) != len(blocks) else None
+            if split is not None and not duplicates_corrupt(type(pool)):
+                split = None  # this release enqueues such a block once: nothing to guard
         except Exception as error:
             runtime.guard_error(names.STAGE_CHECK, error)
             split = None

@@ -66,3 +66,31 @@ def test_strict_raises_and_a_clean_call_passes_unchanged(policy):
     with pytest.raises(counters.StrictFailure):
         guarded.free_blocks(["x", "x"])
     assert pool.calls == [["x", "y"]] and pool_frees.snapshot()["raised"] == 1
+
+
+class _DecrementThenAppend:
+    """vLLM 0.21.0's order: every block decremented, then those at 0 appended."""
+
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        for b in blocks:
+            b.ref_cnt -= 1
+        self.free_block_queue.append_n([b for b in blocks if b.ref_cnt == 0 and not b.is_null])
+
+
+class _TestEachBlock:
+    """vLLM 0.34.0's order: each block tested right after its decrement."""
+
+    def free_blocks(self, ordered_blocks):
+        ready = []
+        for b in ordered_blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                ready.append(b)
+        self.free_block_queue.append_n(ready)
+
+
+def test_whether_a_release_enqueues_a_doubly_listed_block_twice_is_read_off_its_code():
+    assert pool_frees.duplicates_corrupt(_DecrementThenAppend) is True
+    assert pool_frees.duplicates_corrupt(_TestEachBlock) is False
+    assert pool_frees.duplicates_corrupt(_Pool) is True  # cannot run on the stand-in: guarded
