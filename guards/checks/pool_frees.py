@@ -98,17 +98,8 @@ def snapshot() -> dict[str, int]:
 
 
 def _record(action: str, policy: str, duplicated: int) -> None:
-    counters.bump(PREFIX + action)
-    if counters.sink_metrics is not None:
-        try:
-            counters.sink_metrics.violation(names.CHECK_GPU_FREE_ONCE, action)
-        except Exception as error:
-            runtime.guard_error(names.STAGE_METRICS, error)
-    if counters.sink_events is not None:
-        counters.sink_events.check_failed(**{
-            names.KEY_SITE: names.GPU_FREE_ONCE_SITE_ID, names.KEY_CHECK: names.CHECK_GPU_FREE_ONCE,
-            names.KEY_ACTION: action, names.KEY_POLICY: policy, names.KEY_DUPLICATED_BLOCKS: duplicated,
-        })
+    counters.record_check_failed(names.CHECK_GPU_FREE_ONCE, names.GPU_FREE_ONCE_SITE_ID, PREFIX, action, policy,
+                                 {names.KEY_DUPLICATED_BLOCKS: duplicated})
 
 
 class GuardedBlockPool(wrapt.ObjectProxy):

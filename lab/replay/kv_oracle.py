@@ -588,3 +588,21 @@ class KVOracle:
             "secondary_loaded_chunks": self.secondary_loaded_chunks,
             "shared_pages": self.shared_pages,
         }
+
+
+def oracle_for(scheduler: Any, vocab_size: int, blocks_per_chunk: int,
+               token_view: Callable[[Any], Sequence[int]] | None = None) -> KVOracle:
+    """The oracle of a replay worker over the real ``scheduler``'s ``KVCacheConfig``: its
+    groups, GPU blocks, offloaded groups and page sharing; ``blocks_per_chunk`` GPU blocks
+    per CPU chunk (1 for the SimpleCPUOffloadConnector: a CPU block is one GPU block)."""
+    config = scheduler.kv_cache_config
+    return KVOracle(
+        scheduler=scheduler,
+        groups=layouts_from_kv_cache_config(config),
+        num_gpu_blocks=int(config.num_blocks),
+        blocks_per_chunk=blocks_per_chunk,
+        vocab_size=vocab_size,
+        offload_group_ids=offload_group_ids(config),
+        shared_pages=pages_shared_by_groups(config),
+        token_view=token_view,
+    )

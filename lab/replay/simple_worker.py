@@ -148,22 +148,11 @@ class SimpleWorker:
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.oracle is None and self.oracle_on:
-            from kvguard.lab.replay.kv_oracle import (
-                KVOracle,
-                layouts_from_kv_cache_config,
-                pages_shared_by_groups,
-            )
+            # numpy (the oracle's storage) comes with vLLM; the light env imports this module
+            from kvguard.lab.replay.kv_oracle import oracle_for
 
-            config = self.scheduler.kv_cache_config
-            self.oracle = KVOracle(
-                scheduler=self.scheduler,
-                groups=layouts_from_kv_cache_config(config),
-                num_gpu_blocks=int(config.num_blocks),
-                blocks_per_chunk=1,
-                vocab_size=self.vocab_size,
-                shared_pages=pages_shared_by_groups(config),
-                token_view=lambda req: InFlightTokens(req, self.vocab_size),
-            )
+            self.oracle = oracle_for(self.scheduler, self.vocab_size, 1,
+                                     token_view=lambda req: InFlightTokens(req, self.vocab_size))
 
     @property
     def busy(self) -> bool:

@@ -227,24 +227,10 @@ class SimulatedWorker:
             raise ValueError(f"unknown worker fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.oracle is None and self.blocks_per_chunk is not None:
             # numpy (the oracle's storage) comes with vLLM; the light env imports this module
-            from kvguard.lab.replay.kv_oracle import (
-                KVOracle,
-                layouts_from_kv_cache_config,
-                offload_group_ids,
-                pages_shared_by_groups,
-            )
+            from kvguard.lab.replay.kv_oracle import oracle_for
 
-            config = self.scheduler.kv_cache_config
-            self.oracle = KVOracle(
-                scheduler=self.scheduler,
-                groups=layouts_from_kv_cache_config(config),
-                num_gpu_blocks=int(config.num_blocks),
-                blocks_per_chunk=self.blocks_per_chunk,
-                vocab_size=self.vocab_size,
-                offload_group_ids=offload_group_ids(config),
-                shared_pages=pages_shared_by_groups(config),
-                token_view=self.known_tokens,
-            )
+            self.oracle = oracle_for(self.scheduler, self.vocab_size, self.blocks_per_chunk,
+                                     token_view=self.known_tokens)
 
     def known_tokens(self, req: Any) -> "InFlightTokens":
         """``req``'s token ids as this worker knows them: vLLM's ``all_token_ids``, then the

@@ -207,3 +207,25 @@ def record_violation(check: str, prefix: str, request: Any, action: str, policy:
             }
         )
     return answer
+
+
+def record_check_failed(check: str, site: str, prefix: str, action: str, policy: str,
+                        fields: dict[str, Any], recomputed: int = 0) -> None:
+    """Count one violation of a check that names its own site (``block_exclusive``,
+    ``load_writes``, ``gpu_free_once``): in-process under ``prefix`` (with ``recomputed``
+    tokens), ``kvguard_invariant_violations_total{check,action}`` (and
+    ``kvguard_recomputed_tokens_total`` when tokens were recomputed), and the
+    ``check_failed`` event with ``fields``. A sink's error counts ``stage="metrics"``."""
+    bump(prefix + action)
+    if recomputed:
+        bump(prefix + "recomputed_tokens", recomputed)
+    if sink_metrics is not None:
+        try:
+            sink_metrics.violation(check, action)
+            if recomputed:
+                sink_metrics.recomputed_tokens(check, recomputed)
+        except Exception as error:
+            runtime.guard_error(names.STAGE_METRICS, error)
+    if sink_events is not None:
+        sink_events.check_failed(**{names.KEY_SITE: site, names.KEY_CHECK: check, names.KEY_ACTION: action,
+                                    names.KEY_POLICY: policy, **fields})

@@ -83,24 +83,12 @@ def bind_call(wrapped: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, int]:
 
 
 def _record(action: str, request: Any, shared: list[int], num_external_tokens: int, policy: str) -> None:
-    """Count one violation (in-process, ``kvguard_check_violations_total``) and emit
-    ``check_failed`` with the shared block ids (at most 8) and the request's external tokens."""
-    counters.bump(PREFIX + action)
-    if counters.sink_metrics is not None:
-        try:
-            counters.sink_metrics.violation(names.CHECK_BLOCK_EXCLUSIVE, action)
-        except Exception as error:
-            runtime.guard_error(names.STAGE_METRICS, error)
-    if counters.sink_events is not None:
-        counters.sink_events.check_failed(**{
-            names.KEY_SITE: names.BLOCK_EXCLUSIVE_SITE_ID,
-            names.KEY_CHECK: names.CHECK_BLOCK_EXCLUSIVE,
-            names.KEY_ACTION: action,
-            names.KEY_POLICY: policy,
-            names.KEY_REQUEST_ID: getattr(request, "request_id", None),
-            names.KEY_SHARED_BLOCKS: shared[:8],
-            names.KEY_EXTERNAL_HIT_TOKENS: num_external_tokens,
-        })
+    """Count one violation and emit ``check_failed`` with the shared block ids (at most 8)
+    and the request's external tokens."""
+    counters.record_check_failed(
+        names.CHECK_BLOCK_EXCLUSIVE, names.BLOCK_EXCLUSIVE_SITE_ID, PREFIX, action, policy,
+        {names.KEY_REQUEST_ID: getattr(request, "request_id", None), names.KEY_SHARED_BLOCKS: shared[:8],
+         names.KEY_EXTERNAL_HIT_TOKENS: num_external_tokens})
 
 
 def exclusive_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -164,25 +164,11 @@ def lookup_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 def _record(action: str, request: Any, unwritten: list[tuple[int, int, int]], external: int, policy: str,
             recomputed: int = 0) -> None:
-    counters.bump(PREFIX + action)
-    counters.bump(PREFIX + "recomputed_tokens", recomputed)
-    if counters.sink_metrics is not None:
-        try:
-            counters.sink_metrics.violation(names.CHECK_LOAD_WRITES, action)
-            if recomputed:
-                counters.sink_metrics.recomputed_tokens(names.CHECK_LOAD_WRITES, recomputed)
-        except Exception as error:
-            runtime.guard_error(names.STAGE_METRICS, error)
-    if counters.sink_events is not None:
-        counters.sink_events.check_failed(**{
-            names.KEY_SITE: names.LOAD_WRITES_SITE_ID,
-            names.KEY_CHECK: names.CHECK_LOAD_WRITES,
-            names.KEY_ACTION: action,
-            names.KEY_POLICY: policy,
-            names.KEY_REQUEST_ID: getattr(request, "request_id", None),
-            names.KEY_UNWRITTEN_BLOCKS: [list(u) for u in unwritten[:8]],
-            names.KEY_EXTERNAL_HIT_TOKENS: external,
-        })
+    counters.record_check_failed(
+        names.CHECK_LOAD_WRITES, names.LOAD_WRITES_SITE_ID, PREFIX, action, policy,
+        {names.KEY_REQUEST_ID: getattr(request, "request_id", None),
+         names.KEY_UNWRITTEN_BLOCKS: [list(u) for u in unwritten[:8]], names.KEY_EXTERNAL_HIT_TOKENS: external},
+        recomputed=recomputed)
 
 
 def _check(instance: Any, request: Any, blocks: Any, external: int) -> list[tuple[int, int, int]] | None:
