@@ -99,7 +99,9 @@ def _count_guard_error() -> None:
 
 
 def record_exception(exc: BaseException, phase: str | None = None) -> Path | None:
-    """Write the fatal record for ``exc`` (once per process) and count it.
+    """Count ``exc`` (``kvguard_engine_fatal_total``, after publishing every pending count of
+    this process: :meth:`~kvguard.guards.telemetry.metrics.GuardMetrics.engine_fatal`), then
+    write its fatal record (once per process).
 
     Returns the record's path, or ``None`` when not installed, already recorded in this
     process, or the write failed. Never raises.
@@ -124,13 +126,15 @@ def record_exception(exc: BaseException, phase: str | None = None) -> Path | Non
         record = FatalRecord.from_exception(
             exc, site=site, pid=pid, vllm_version=_vllm_version(), phase=phase, process=own_process_name()
         )
-        path = write_fatal_record(state, record)
         try:
+            # every count this process made is published before the record exists (the
+            # checks' increments wait for a batch otherwise: telemetry/metrics.py)
             from kvguard.guards.telemetry.metrics import get_metrics
 
             get_metrics(state.root).engine_fatal(record.exception)
         except Exception:
             _count_guard_error()
+        path = write_fatal_record(state, record)
         try:
             from kvguard.guards.telemetry import events
 

@@ -21,6 +21,32 @@ Every child over the closed label sets of :mod:`kvguard.guards.names` is created
 each series exists (at 0) from the first scrape. Label values outside those sets raise
 ``ValueError`` (callers in ``kvguard.guards.policy.runtime`` turn that into a guard-error count).
 
+No Prometheus write on a check's path (issue 31)
+------------------------------------------------
+
+A check that counts on vLLM's path (an evaluation, a tolerated failure, a skipped lookup)
+adds to a plain dict of pending increments under a lock (about a microsecond); nothing
+there validates a prometheus label set, finds a child or writes an mmap file (17 us of a
+66 us store check, measured in place on 3 Dec 2026). The increments reach Prometheus in a
+batch (:meth:`GuardMetrics.flush`):
+
+- every :data:`FLUSH_INTERVAL_S` seconds, from one daemon thread for the whole process
+  (started on the first increment, so a flush never waits for a next event);
+- at once, on the thread that counts it, for a ``raised`` violation (the engine may be
+  dying) and before a fatal record (:mod:`kvguard.guards.policy.fatal` calls
+  :func:`flush_all` first: a fatal record's counters are never lost);
+- at process exit: ``atexit`` (the main process, a ``spawn``-started EngineCore or worker,
+  which leaves through ``sys.exit``) and ``multiprocessing``'s exit finalizers (a
+  ``fork``-started child leaves through ``os._exit`` after running them);
+- before each collection of an in-process registry (a collector registered first on it
+  flushes: :class:`_FlushOnCollect`).
+
+Fork: a child starts with no pending increments (the parent publishes its own), new
+locks (one held by the parent's flusher at the fork would never be released) and no
+flusher thread (the first increment starts its own). A ``SIGKILL`` (an OOM kill, a
+liveness kill) runs no code: at most the last :data:`FLUSH_INTERVAL_S` of evaluations and
+tolerated failures are lost then; a check that raised was published before it raised.
+
 =========================================================  =========  ==========================
 metric                                                     type       labels
 =========================================================  =========  ==========================
@@ -39,16 +65,25 @@ metric                                                     type       labels
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.hooking.sites import known_site_ids
 
-__all__ = ["GuardMetrics", "get_metrics", "SWA_RATIO_BUCKETS", "SITE_GAUGE_MULTIPROCESS_MODE"]
+__all__ = ["GuardMetrics", "get_metrics", "flush_all", "FLUSH_INTERVAL_S", "SWA_RATIO_BUCKETS",
+           "SITE_GAUGE_MULTIPROCESS_MODE"]
+
+#: seconds between two publications of the pending increments (a Prometheus scrape is
+#: 5-60 s apart: one second keeps a scrape at most a second behind EngineCore)
+FLUSH_INTERVAL_S = 1.0
+#: histogram observations kept pending before the counting thread publishes them itself
+MAX_PENDING_OBSERVATIONS = 4096
 
 #: Buckets of pending SWA GPU blocks / exact bound (1.0 = at the bound; > 1 = violation).
 SWA_RATIO_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0)
@@ -99,6 +134,15 @@ def _base(counter_name: str) -> str:
 def _validate(value: str, allowed: Any, what: str) -> None:
     if value not in allowed:
         raise ValueError(f"unknown {what} label value {value!r}")
+
+
+# the closed label sets as frozensets (a membership test per count, not a tuple scan)
+_CHECKS = frozenset(names.CHECKS)
+_ACTIONS = frozenset(names.ACTIONS)
+_STAGES = frozenset(names.STAGES)
+_SKIPPABLE = frozenset(names.SKIPPABLE_CHECKS)
+_REASONS = frozenset(names.SKIP_REASONS)
+_WAITS = frozenset(names.WAITS)
 
 
 class _MmapBackend:
@@ -241,6 +285,24 @@ class _RegistryBackend:
         pass  # a Histogram without labels exports its buckets at 0 already
 
 
+class _FlushOnCollect:
+    """A collector registered on an in-process registry before kvguard's metrics: its
+    ``collect`` publishes the pending increments, so a scrape (or ``get_sample_value``)
+    reads every count made before it."""
+
+    def __init__(self, metrics: "GuardMetrics") -> None:
+        self._metrics = weakref.ref(metrics)
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        metrics = self._metrics()
+        if metrics is not None:
+            metrics.flush()
+        return []
+
+
 class GuardMetrics:
     """The metrics sink of :mod:`kvguard.guards.policy.runtime` (and of ``kvguard.guards.policy.fatal``).
 
@@ -248,9 +310,18 @@ class GuardMetrics:
     otherwise ``registry`` (default: prometheus_client's ``REGISTRY``) holds them. Use
     :func:`get_metrics` rather than constructing twice on one registry (prometheus_client
     raises ``ValueError`` on duplicated series).
+
+    Counting methods validate their labels (``ValueError`` at once, on the caller's thread)
+    and add to the pending increments; :meth:`flush` publishes them (module docstring:
+    when). Gauges (installation time) and ``engine_fatal`` are written at once.
     """
 
     def __init__(self, state_dir: Path | str | None = None, registry: Any = None) -> None:
+        self._lock = threading.Lock()
+        #: (metric name, labels as ((name, value), ...)) -> increment not yet published
+        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        #: histogram observations not yet published
+        self._observed: list[float] = []
         if state_dir is not None:
             self.path: Path | None = Path(state_dir) / names.STATE_METRICS_SUBDIR
             self._b: Any = _MmapBackend(self.path)
@@ -258,8 +329,11 @@ class GuardMetrics:
             from prometheus_client import REGISTRY
 
             self.path = None
-            self._b = _RegistryBackend(registry if registry is not None else REGISTRY)
+            registry = registry if registry is not None else REGISTRY
+            registry.register(_FlushOnCollect(self))
+            self._b = _RegistryBackend(registry)
         self._precreate()
+        _flusher.watch(self)
 
     def _precreate(self) -> None:
         n = names
@@ -280,6 +354,56 @@ class GuardMetrics:
                 self._b.counter(n.METRIC_WAIT_BOUND_EXCEEDED, {n.LABEL_WAIT: wait, n.LABEL_ACTION: action}, 0)
         self._b.precreate_histogram(n.METRIC_SWA_PENDING_BOUND_RATIO)
 
+    # -- batching ----------------------------------------------------------------------
+    def _add(self, name: str, labels: tuple[tuple[str, str], ...], amount: float) -> None:
+        key = (name, labels)
+        with self._lock:
+            pending = self._pending
+            pending[key] = pending.get(key, 0) + amount
+        if _flusher.thread is None:
+            _flusher.start()
+
+    def pending(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """A copy of the increments not yet published (``{(metric, labels): amount}``)."""
+        with self._lock:
+            return dict(self._pending)
+
+    def flush(self) -> None:
+        """Publish the pending increments and observations to Prometheus (the multiprocess
+        files or the registry); safe from any thread, never loses an increment (a write
+        that raises puts what it had not written back to pending and re-raises)."""
+        with self._lock:
+            if not self._pending and not self._observed:
+                return
+            pending, self._pending = self._pending, {}
+            observed, self._observed = self._observed, []
+        items = list(pending.items())
+        done = 0
+        try:
+            for (name, labels), amount in items:
+                self._b.counter(name, dict(labels), amount)
+                done += 1
+            while observed:
+                self._b.histogram(names.METRIC_SWA_PENDING_BOUND_RATIO, observed[-1])
+                observed.pop()
+        except BaseException:
+            with self._lock:
+                for key, amount in items[done:]:
+                    self._pending[key] = self._pending.get(key, 0) + amount
+                self._observed.extend(observed)
+            raise
+
+    def _after_fork_in_child(self) -> None:
+        # the parent publishes what it counted; a lock held by its flusher at the fork
+        # would stay held here forever
+        self._lock = threading.Lock()
+        self._pending = {}
+        self._observed = []
+        backend_lock = getattr(self._b, "_lock", None)
+        if backend_lock is not None:
+            self._b._lock = threading.Lock()
+
+    # -- the counting methods ----------------------------------------------------------
     def evaluations(self, check: str, amount: int) -> None:
         """Add ``amount`` evaluations of ``check``; ValueError for an unknown check.
 
@@ -287,69 +411,152 @@ class GuardMetrics:
         (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
         created at 0 and stays there, because a passing vLLM assert is not counted.
         """
-        _validate(check, names.CHECKS, "check")
-        self._b.counter(names.METRIC_CHECK_EVALUATIONS, {names.LABEL_CHECK: check}, amount)
+        _validate(check, _CHECKS, "check")
+        self._add(names.METRIC_CHECK_EVALUATIONS, ((names.LABEL_CHECK, check),), amount)
 
     def tolerated(self, check: str) -> None:
-        _validate(check, names.CHECKS, "check")
-        self._b.counter(names.METRIC_CHECK_TOLERATED, {names.LABEL_CHECK: check}, 1)
+        _validate(check, _CHECKS, "check")
+        self._add(names.METRIC_CHECK_TOLERATED, ((names.LABEL_CHECK, check),), 1)
 
     def violation(self, check: str, action: str) -> None:
-        _validate(check, names.CHECKS, "check")
-        _validate(action, names.ACTIONS, "action")
-        self._b.counter(
-            names.METRIC_INVARIANT_VIOLATIONS, {names.LABEL_CHECK: check, names.LABEL_ACTION: action}, 1
-        )
+        """Count one failure of ``check`` handled with ``action``; a ``raised`` one is
+        published at once (the engine may be about to die of it)."""
+        _validate(check, _CHECKS, "check")
+        _validate(action, _ACTIONS, "action")
+        self._add(names.METRIC_INVARIANT_VIOLATIONS, ((names.LABEL_CHECK, check), (names.LABEL_ACTION, action)), 1)
+        if action == names.ACTION_RAISED:
+            self.flush()
 
     def guard_error(self, stage: str) -> None:
-        _validate(stage, names.STAGES, "stage")
-        self._b.counter(names.METRIC_GUARD_ERRORS, {names.LABEL_STAGE: stage}, 1)
+        _validate(stage, _STAGES, "stage")
+        self._add(names.METRIC_GUARD_ERRORS, ((names.LABEL_STAGE, stage),), 1)
 
     def recomputed_tokens(self, check: str, amount: int) -> None:
         """Add ``amount`` tokens (>= 0) that vLLM recomputes because ``check`` reduced a hit."""
-        _validate(check, names.CHECKS, "check")
+        _validate(check, _CHECKS, "check")
         if amount < 0:
             raise ValueError("recomputed tokens must be >= 0")
-        self._b.counter(names.METRIC_RECOMPUTED_TOKENS, {names.LABEL_CHECK: check}, amount)
+        self._add(names.METRIC_RECOMPUTED_TOKENS, ((names.LABEL_CHECK, check),), amount)
 
     def check_skipped(self, check: str, reason: str) -> None:
         """Count one evaluation of ``check`` skipped for ``reason`` (kvguard cannot model or
         read what it involves; not a guard error); ValueError for a check outside
         :data:`~kvguard.guards.names.SKIPPABLE_CHECKS` or a reason outside
         :data:`~kvguard.guards.names.SKIP_REASONS`."""
-        _validate(check, names.SKIPPABLE_CHECKS, "check")
-        _validate(reason, names.SKIP_REASONS, "reason")
-        self._b.counter(names.METRIC_CHECK_SKIPPED, {names.LABEL_CHECK: check, names.LABEL_REASON: reason}, 1)
+        _validate(check, _SKIPPABLE, "check")
+        _validate(reason, _REASONS, "reason")
+        self._add(names.METRIC_CHECK_SKIPPED, ((names.LABEL_CHECK, check), (names.LABEL_REASON, reason)), 1)
 
     def wait_bound_exceeded(self, wait: str, action: str) -> None:
         """Count one request whose ``wait`` (:data:`~kvguard.guards.names.WAITS`) exceeded the
         wait bound, and the ``action`` taken; ValueError for a label outside those sets."""
-        _validate(wait, names.WAITS, "wait")
-        _validate(action, names.ACTIONS, "action")
-        self._b.counter(names.METRIC_WAIT_BOUND_EXCEEDED, {names.LABEL_WAIT: wait, names.LABEL_ACTION: action}, 1)
+        _validate(wait, _WAITS, "wait")
+        _validate(action, _ACTIONS, "action")
+        self._add(names.METRIC_WAIT_BOUND_EXCEEDED, ((names.LABEL_WAIT, wait), (names.LABEL_ACTION, action)), 1)
 
     def swa_ratio(self, ratio: float) -> None:
         """Observe pending SWA GPU blocks / exact bound (dimensionless)."""
-        self._b.histogram(names.METRIC_SWA_PENDING_BOUND_RATIO, float(ratio))
+        ratio = float(ratio)
+        with self._lock:
+            self._observed.append(ratio)
+            full = len(self._observed) >= MAX_PENDING_OBSERVATIONS
+        if full:
+            self.flush()
+        elif _flusher.thread is None:
+            _flusher.start()
 
     def site_installed(self, site: str, installed: bool) -> None:
-        """Set ``kvguard_site_installed{site}`` to 1 or 0; ValueError for an unknown site."""
+        """Set ``kvguard_site_installed{site}`` to 1 or 0 (written at once); ValueError for an unknown site."""
         _validate(site, known_site_ids(), "site")
         self._b.gauge_set(names.METRIC_SITE_INSTALLED, {names.LABEL_SITE: site}, 1.0 if installed else 0.0)
 
     def connector_guarded(self, connector: str) -> None:
         """Set ``kvguard_connector_info{connector}`` to 1 (a connector's scheduler side was built
-        under kvguard); ValueError for a name outside :data:`~kvguard.guards.names.CONNECTORS`."""
+        under kvguard; written at once); ValueError for a name outside :data:`~kvguard.guards.names.CONNECTORS`."""
         _validate(connector, names.CONNECTORS, "connector")
         self._b.gauge_set(names.METRIC_CONNECTOR_INFO, {names.LABEL_CONNECTOR: connector}, 1.0)
 
     def engine_fatal(self, exception: str) -> None:
-        """Count a fatal EngineCore exception by its class name (``exception`` label, through
+        """Publish every pending increment of the process (:func:`flush_all`), then count a
+        fatal EngineCore exception by its class name, at once (``exception`` label, through
         :func:`kvguard.guards.telemetry.statefile.exception_label`: the fatal record's own field, at
         most ``MAX_LABEL_CHARS`` characters and a Python identifier)."""
         from kvguard.guards.telemetry.statefile import exception_label
 
+        flush_all()
         self._b.counter(names.METRIC_ENGINE_FATAL, {names.LABEL_EXCEPTION: exception_label(str(exception))}, 1)
+
+
+class _Flusher:
+    """The process's one flusher: a daemon thread that publishes every live
+    :class:`GuardMetrics`' pending increments each :data:`FLUSH_INTERVAL_S`, started by the
+    first increment (in each process: a forked child starts its own)."""
+
+    def __init__(self) -> None:
+        # strong references: a sink dropped with increments pending still publishes them
+        # (sinks are process-wide, one per state dir or registry: get_metrics)
+        self.instances: list[GuardMetrics] = []
+        self.thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def watch(self, metrics: GuardMetrics) -> None:
+        self.instances.append(metrics)
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self.thread is None:
+                thread = threading.Thread(target=self._run, name="kvguard-metrics-flush", daemon=True)
+                self.thread = thread  # before it runs: _run stops once it is not the current one
+                thread.start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while self.thread is me:
+            time.sleep(FLUSH_INTERVAL_S)
+            flush_all()
+
+    def after_fork_in_child(self) -> None:
+        self.thread = None
+        self._start_lock = threading.Lock()
+        for metrics in list(self.instances):
+            metrics._after_fork_in_child()
+
+
+_flusher = _Flusher()
+
+
+def flush_all() -> None:
+    """Publish the pending increments of every :class:`GuardMetrics` of this process; never
+    raises (an error leaves that instance's increments pending for the next flush)."""
+    for metrics in list(_flusher.instances):
+        try:
+            metrics.flush()
+        except Exception:
+            pass
+
+
+def _finalize_in_child(_: Any) -> None:
+    from multiprocessing import util
+
+    util.Finalize(None, flush_all, exitpriority=100)
+
+
+def _register_exit_flushes() -> None:
+    atexit.register(flush_all)
+    try:
+        from multiprocessing import util
+
+        # a fork-started multiprocessing child leaves through os._exit after its exit
+        # finalizers; it clears the registry it inherited, then runs the after-fork hooks
+        util.Finalize(None, flush_all, exitpriority=100)
+        util.register_after_fork(_flusher, _finalize_in_child)
+    except Exception:  # pragma: no cover - multiprocessing is always there
+        pass
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_flusher.after_fork_in_child)
+
+
+_register_exit_flushes()
 
 
 _instances: dict[tuple[str | None, int], GuardMetrics] = {}

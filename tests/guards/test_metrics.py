@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvguard.guards import names
-from kvguard.guards.telemetry.metrics import GuardMetrics, get_metrics
+from kvguard.guards.telemetry.metrics import GuardMetrics, flush_all, get_metrics
 from guardtools import SITE_SWA_PENDING_BOUND
 
 
@@ -27,6 +27,8 @@ def window_site_registered():
 
 
 def scrape(path) -> CollectorRegistry:
+    """What the sidecar reads from ``path`` once this process published its counts."""
+    flush_all()
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(path))
     return registry
@@ -91,19 +93,114 @@ def test_a_skipped_check_is_counted_by_check_and_reason(tmp_path):
 
 def test_two_processes_are_summed_and_the_child_starts_from_zero(tmp_path):
     m = GuardMetrics(state_dir=tmp_path)
-    m.evaluations("scheduler_assert", 3)
+    m.evaluations("scheduler_assert", 3)  # pending in the parent at the fork
     pid = os.fork()
-    if pid == 0:  # child: a fresh file of its own, counting from 0
+    if pid == 0:  # child: a fresh file of its own, counting from 0, none of the parent's pending
         try:
+            code = 3 if m.pending() else 0
             m.evaluations("scheduler_assert", 2)
-            code = 0 if len(list((tmp_path / "metrics").glob("counter_*.db"))) == 2 else 1
+            m.flush()
+            code = code or (0 if len(list((tmp_path / "metrics").glob("counter_*.db"))) == 2 else 1)
         except BaseException:
             code = 2
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    r = scrape(tmp_path / "metrics")
+    r = scrape(tmp_path / "metrics")  # the parent publishes its 3 only now
     assert r.get_sample_value("kvguard_check_evaluations_total", {"check": "scheduler_assert"}) == 5
+    assert len(list((tmp_path / "metrics").glob("counter_*.db"))) == 2
+
+
+def _count_and_return(path: str, check: str, amount: int) -> None:
+    from kvguard.guards.telemetry.metrics import get_metrics
+
+    get_metrics(path).evaluations(check, amount)  # no flush: the child's exit must publish it
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_child_process_publishes_its_counts_when_it_exits(tmp_path, start):
+    """vLLM starts EngineCore and its workers both ways; a child that returns normally
+    publishes what it counted (fork: multiprocessing's exit finalizers; spawn: atexit)."""
+    import multiprocessing
+
+    m = get_metrics(tmp_path)
+    m.evaluations("scheduler_assert", 1)  # pending in the parent: a fork child must not publish it
+    child = multiprocessing.get_context(start).Process(
+        target=_count_and_return, args=(str(tmp_path), "scheduler_assert", 20))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    before = CollectorRegistry()
+    MultiProcessCollector(before, path=str(tmp_path / "metrics"))
+    assert before.get_sample_value("kvguard_check_evaluations_total", {"check": "scheduler_assert"}) == 20
+    assert scrape(tmp_path / "metrics").get_sample_value(
+        "kvguard_check_evaluations_total", {"check": "scheduler_assert"}) == 21
+
+
+def test_counts_wait_for_a_flush_and_the_flusher_publishes_them(tmp_path):
+    """No prometheus write on the counting path: the files change only at a flush, and
+    the process's flusher thread makes one within its interval without a next event."""
+    import time
+
+    from kvguard.guards.telemetry import metrics as metrics_module
+
+    m = GuardMetrics(state_dir=tmp_path)
+    unflushed = CollectorRegistry()
+    MultiProcessCollector(unflushed, path=str(tmp_path / "metrics"))
+    m.evaluations("swa_pending_bound", 2)
+    m.tolerated("swa_pending_bound")
+    m.swa_ratio(0.5)
+    assert m.pending() == {
+        ("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),)): 2,
+        ("kvguard_check_tolerated_total", (("check", "swa_pending_bound"),)): 1,
+    }
+    assert unflushed.get_sample_value("kvguard_check_evaluations_total", {"check": "swa_pending_bound"}) == 0
+    assert metrics_module._flusher.thread is not None and metrics_module._flusher.thread.is_alive()
+    deadline = time.monotonic() + 10 * metrics_module.FLUSH_INTERVAL_S
+    while m.pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.pending() == {}
+    fresh = CollectorRegistry()
+    MultiProcessCollector(fresh, path=str(tmp_path / "metrics"))
+    assert fresh.get_sample_value("kvguard_check_evaluations_total", {"check": "swa_pending_bound"}) == 2
+    assert fresh.get_sample_value("kvguard_check_tolerated_total", {"check": "swa_pending_bound"}) == 1
+    assert fresh.get_sample_value("kvguard_swa_pending_bound_ratio_bucket", {"le": "0.5"}) == 1
+
+
+def test_a_raised_violation_and_a_fatal_count_publish_at_once(tmp_path):
+    m = GuardMetrics(state_dir=tmp_path)
+    m.evaluations("swa_pending_bound", 5)
+    m.violation("swa_pending_bound", "continued")
+    assert m.pending()  # a violation the engine goes on from waits for the batch
+    m.violation("swa_pending_bound", "raised")
+    assert m.pending() == {}
+    m.evaluations("swa_pending_bound", 1)
+    m.engine_fatal("AssertionError")
+    assert m.pending() == {}
+    r = CollectorRegistry()
+    MultiProcessCollector(r, path=str(tmp_path / "metrics"))
+    assert r.get_sample_value("kvguard_check_evaluations_total", {"check": "swa_pending_bound"}) == 6
+    assert r.get_sample_value("kvguard_invariant_violations_total",
+                              {"check": "swa_pending_bound", "action": "continued"}) == 1
+    assert r.get_sample_value("kvguard_engine_fatal_total", {"exception": "AssertionError"}) == 1
+
+
+def test_a_failed_write_keeps_the_increments_pending(tmp_path):
+    m = GuardMetrics(state_dir=tmp_path)
+    m.evaluations("swa_pending_bound", 3)
+    write = m._b.counter
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    m._b.counter = broken
+    with pytest.raises(OSError):
+        m.flush()
+    assert m.pending() == {("kvguard_check_evaluations_total", (("check", "swa_pending_bound"),)): 3}
+    m._b.counter = write
+    m.flush()
+    assert scrape(tmp_path / "metrics").get_sample_value(
+        "kvguard_check_evaluations_total", {"check": "swa_pending_bound"}) == 3
 
 
 def test_counts_survive_a_new_instance_in_the_same_process(tmp_path):
