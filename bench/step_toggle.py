@@ -15,8 +15,13 @@ one process and one installed guard and switches a part of it on for every other
   epoch is bumped (a kept verdict is then re-checked, as the counting would have made
   it; :class:`_Removals`);
 - ``code``: each other rewritten vLLM function's code, kvguard's or vLLM's original (the
-  instrumentor keeps both; the sliding-window check lives in the rewritten code);
-- ``all``: both;
+  instrumentor keeps both; the sliding-window and store checks live in the rewritten code);
+- ``wrappers``: kvguard's ``wrapt`` wraps of vLLM methods that run per step or per
+  request (``block_exclusive`` on ``update_state_after_alloc``, the GPU pool proxy's
+  binding, the SimpleCPUOffloadConnector's lookup) put on the class or taken off, and the
+  wait bound's per-scheduler ``build_connector_meta`` wrapper with them (constructors'
+  wraps stay: they run once per engine);
+- ``all``: the three together, everything kvguard runs in a step;
 - ``aa``: switches nothing (the A/A control: scheduled, switched and timed the same way).
 
 Each repetition replays the generated bench trace twice per part, with the part on for
@@ -28,14 +33,25 @@ minutes. Printed per repetition and as the median over repetitions: the ratio of
 median step (CPU time, ``time.thread_time``) on / off, the median of the per-step
 ratios, and the ratio of the sums (all steps on / all steps off: the mean cost, where
 the work of the few steps with a store or a window check counts in full; the two
-medians barely see it); a part is read against the ``aa`` row of the same run. ``--admission call-only``
+medians barely see it); a part is read against the ``aa`` row of the same run.
+
+The mean, two ways (issue 31): ``sum_ratio`` is each repetition's sum on / sum off, the
+median over repetitions: one step that another tenant's burst or a page fault slows by a
+millisecond moves it by a percent or more (0.82-1.18 across three repetitions of ``aa``,
+4 Dec 2026). ``min_sum_ratio`` takes each step's least time over the repetitions, on
+and off separately, then sums: the replays are deterministic (every repetition schedules
+the same steps), and noise on a host only adds time, so each step's minimum is its cost
+without the noise, and every step still counts in full. ``added_us_per_step`` is the
+same difference per step in microseconds (kvguard's cost per step, the growth figure of
+``bench/growth.py``). ``--admission call-only``
 makes :func:`~kvguard.guards.checks.admission.admit_return` return vLLM's answer at once (what
 the call from vLLM's code costs alone). The bench needs the admission check in vLLM's
 code (the ``admission_return`` rewrite) and a lookup with no other site; it says so and
 exits 1 otherwise. ``--gc``: after the warm-up the start-up heap is frozen as vLLM's
 EngineCore freezes its own (``freeze``, the default since 3 Dec 2026; ``plain`` leaves it:
 the earlier figures were taken so, and a full collection then lands on one step).
-A measurement, not a test: exit 0 unless a replay failed.
+A measurement, not a test: exit 0 unless a replay failed. :class:`Toggler` is also what
+``bench/growth.py`` measures with.
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,9 +112,158 @@ class _Removals:
         self.was_off = not on
 
 
+class Toggler:
+    """One installed guard whose parts can be switched on and off step by step, and the
+    replays that do it; built after the warm-up replay installed the guard.
+
+    Raises ``RuntimeError`` when the admission check is not in vLLM's lookup code alone
+    (the ``admission_return`` rewrite): nothing this bench can switch then.
+    """
+
+    PARTS = ("aa", "admission", "code", "wrappers", "all")
+
+    def __init__(self) -> None:
+        from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
+        from kvguard.lab.replay import harness
+
+        state = OffloadGuardInstrumentor()._state
+        originals = dict(state.code_patches)
+        self.lookups = [(f, ours, without) for f, ours, without in state.admission_codes]
+        if not self.lookups or any(without is not originals[f] for f, _, without in self.lookups):
+            raise RuntimeError("the admission check is not in vLLM's lookup code alone (admission_return rewrite)")
+        lookup_funcs = {x[0] for x in self.lookups}
+        self.codes = [(f, f.__code__, original) for f, original in state.code_patches if f not in lookup_funcs]
+        # class-level wrapt wraps that run per step or per request (constructors run once)
+        self.wraps = [(owner, attr, owner.__dict__[attr], original) for owner, attr, original in state.attr_patches
+                      if attr != "__init__" and attr in owner.__dict__]
+        self.recorders: list = []
+        init = harness._HitRecorder.__init__
+        recorders = self.recorders
+
+        def capture(self_, *a, **k):
+            init(self_, *a, **k)
+            recorders.append(self_)
+
+        harness._HitRecorder.__init__ = capture
+        self.removals: list = [None, 0]  # the current replay's policy counting (once watched), recorders before it
+        self.instance_wraps: list = [None, 0]  # the current replay's per-scheduler wrappers, recorders before it
+
+    def _scheduler(self) -> Any:
+        return self.recorders[-1]._cs if len(self.recorders) > self.removals[1] else None
+
+    def switch(self, part: str, on: bool) -> None:
+        if part in ("code", "all"):
+            for func, ours, original in self.codes:
+                func.__code__ = ours if on else original
+        if part in ("admission", "all"):
+            for func, ours, without in self.lookups:
+                func.__code__ = ours if on else without
+            if self.removals[0] is None and (cs := self._scheduler()) is not None:
+                self.removals[0] = _Removals.of(cs)
+            if self.removals[0] is not None:
+                self.removals[0].switch(on)
+        if part in ("wrappers", "all"):
+            for owner, attr, wrapper, original in self.wraps:
+                setattr(owner, attr, wrapper if on else original)
+            if self.instance_wraps[0] is None and (cs := self._scheduler()) is not None:
+                self.instance_wraps[0] = (cs, {k: v for k, v in cs.__dict__.items()
+                                                if getattr(v, "_kvguard_wait_bound", False)})
+            if self.instance_wraps[0] is not None:
+                cs, attrs = self.instance_wraps[0]
+                if on:
+                    cs.__dict__.update(attrs)
+                else:
+                    for name in attrs:
+                        cs.__dict__.pop(name, None)
+
+    def replay(self, trace: Any, part: str, parity: int) -> Any:
+        """Replay ``trace`` with ``part`` on for the steps of ``parity``; the ReplayResult.
+        Raises ``RuntimeError`` when the replay failed or stalled."""
+        from kvguard.lab.replay import harness
+
+        step = [0]
+        self.removals[:] = [None, len(self.recorders)]
+        self.instance_wraps[:] = [None, len(self.recorders)]
+
+        def before() -> None:
+            self.switch(part, step[0] % 2 == parity)
+            step[0] += 1
+
+        gc.collect()
+        try:
+            result = harness.run_replay(trace, guard=True, policy="guard", before_step=before)
+        finally:
+            self.switch("all", True)
+        if not result.ok:
+            raise RuntimeError(result.error or "stalled")
+        return result
+
+    def pair(self, trace: Any, part: str) -> tuple[list[float], list[float], Any]:
+        """Two replays with opposite parity: ``(on, off, result)``, each step's CPU seconds
+        with ``part`` on and off (``result``: the first replay). Raises ``RuntimeError``
+        when a replay failed or the two scheduled different steps."""
+        ra, rb = self.replay(trace, part, 0), self.replay(trace, part, 1)
+        a, b = ra.step_cpu_s, rb.step_cpu_s
+        if len(a) != len(b):
+            raise RuntimeError("the two replays scheduled different steps")
+        on = [a[i] if i % 2 == 0 else b[i] for i in range(len(a))]
+        off = [b[i] if i % 2 == 0 else a[i] for i in range(len(a))]
+        return on, off, ra
+
+
+def figures(reps: list[tuple[list[float], list[float]]]) -> dict[str, float]:
+    """The figures of one part from its repetitions' ``(on, off)`` per-step CPU seconds
+    (module docstring): medians over repetitions of the per-repetition ratios, and the
+    per-step minima over repetitions (``min_sum_ratio``, ``added_us_per_step``)."""
+    per_rep = [{
+        "median_step_ratio": statistics.median(on) / statistics.median(off),
+        "median_per_step_ratio": statistics.median(x / y for x, y in zip(on, off)),
+        "sum_ratio": sum(on) / sum(off),
+        "median_step_ms_off": 1e3 * statistics.median(off),
+    } for on, off in reps]
+    out = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
+    steps = min(len(on) for on, _ in reps)
+    min_on = [min(on[i] for on, _ in reps) for i in range(steps)]
+    min_off = [min(off[i] for _, off in reps) for i in range(steps)]
+    out["min_sum_ratio"] = sum(min_on) / sum(min_off)
+    out["added_us_per_step"] = 1e6 * (sum(min_on) - sum(min_off)) / steps
+    out["mean_step_us_off"] = 1e6 * sum(min_off) / steps
+    return out
+
+
+def warm_up(trace: Any) -> int:
+    """The warm-up replay (installs the guard); 0, or 1 after printing why not."""
+    from kvguard.lab.replay import harness
+
+    if not harness.run_replay(trace, guard=True, policy="guard").ok:
+        print("warm-up replay failed", file=sys.stderr)
+        return 1
+    from kvguard.guards.checks import wait_bound
+
+    ended = {k: v for k, v in wait_bound.snapshot().items() if ":" in k}
+    # a healthy trace: the wait bound must never end a wait here (no false alarm)
+    print(f"wait bound on the bench trace: {wait_bound.snapshot().get('evaluated', 0)} observations, "
+          f"ended {ended or 'none'}", file=sys.stderr)
+    if ended:
+        print("the wait bound ended a wait on the bench trace: a false alarm", file=sys.stderr)
+        return 1
+    return 0
+
+
+def freeze_heap() -> None:
+    """What vLLM's EngineCore does once it is built (v1/engine/core.py: freeze_gc_heap(),
+    gc.collect of each generation then gc.freeze()): the start-up heap (torch, vLLM, the
+    model's modules) is left out of every later collection. Without it a full collection
+    scans that whole heap, and whichever step's allocations trigger it pays it all."""
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", nargs="+", choices=["aa", "admission", "code", "all"], default=["all"],
+    parser.add_argument("--part", nargs="+", choices=list(Toggler.PARTS), default=["all"],
                         help="the parts to switch, in turn within each repetition")
     parser.add_argument("--admission", choices=["full", "call-only"], default="full")
     parser.add_argument("--gc", choices=["freeze", "plain"], default="freeze",
@@ -111,102 +277,33 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     from kvguard.guards.checks import admission
-    from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
     from kvguard.lab.replay import harness
 
     trace = generate_trace(args.agents, args.turns)
-    if not harness.run_replay(trace, guard=True, policy="guard").ok:  # warm-up, installs the guard
-        print("warm-up replay failed", file=sys.stderr)
-        return 1
-    from kvguard.guards.checks import wait_bound
-
-    ended = {k: v for k, v in wait_bound.snapshot().items() if ":" in k}
-    # a healthy trace: the wait bound must never end a wait here (no false alarm)
-    print(f"wait bound on the bench trace: {wait_bound.snapshot().get('evaluated', 0)} observations, "
-          f"ended {ended or 'none'}", file=sys.stderr)
-    if ended:
-        print("the wait bound ended a wait on the bench trace: a false alarm", file=sys.stderr)
+    if warm_up(trace):
         return 1
     if args.gc == "freeze":
-        # what vLLM's EngineCore does once it is built (v1/engine/core.py: freeze_gc_heap(),
-        # gc.collect of each generation then gc.freeze()): the start-up heap (torch, vLLM,
-        # the model's modules) is left out of every later collection. Without it a full
-        # collection here scans that whole heap, and whichever step's allocations trigger
-        # it pays it all, on or off.
-        gc.collect(0)
-        gc.collect(1)
-        gc.collect(2)
-        gc.freeze()
+        freeze_heap()
     if args.admission == "call-only":
         def _call_only(cs, request, num_computed_tokens, answer):
             return answer
 
         admission.admit_return.__code__ = _call_only.__code__
-
-    state = OffloadGuardInstrumentor()._state
-    originals = dict(state.code_patches)
-    lookups = [(f, ours, without) for f, ours, without in state.admission_codes]
-    if not lookups or any(without is not originals[f] for f, _, without in lookups):
-        print("the admission check is not in vLLM's lookup code alone (admission_return rewrite): "
-              "nothing this bench can switch", file=sys.stderr)
+    try:
+        toggler = Toggler()
+    except RuntimeError as error:
+        print(f"{error}: nothing this bench can switch", file=sys.stderr)
         return 1
-    codes = [(f, f.__code__, original) for f, original in state.code_patches if f not in {x[0] for x in lookups}]
-    recorders: list = []
-    init = harness._HitRecorder.__init__
-
-    def capture(self, *a, **k):
-        init(self, *a, **k)
-        recorders.append(self)
-
-    harness._HitRecorder.__init__ = capture
-    removals: list = [None, 0]  # the current replay's policy counting (once watched), recorders before it
-
-    def switch(part: str, on: bool) -> None:
-        if part in ("code", "all"):
-            for func, ours, original in codes:
-                func.__code__ = ours if on else original
-        if part in ("admission", "all"):
-            for func, ours, without in lookups:
-                func.__code__ = ours if on else without
-            if removals[0] is None and len(recorders) > removals[1]:
-                removals[0] = _Removals.of(recorders[-1]._cs)
-            if removals[0] is not None:
-                removals[0].switch(on)
-
-    def replay(part: str, parity: int) -> list[float]:
-        step = [0]
-        removals[:] = [None, len(recorders)]
-
-        def before() -> None:
-            switch(part, step[0] % 2 == parity)
-            step[0] += 1
-
-        gc.collect()
-        result = harness.run_replay(trace, guard=True, policy="guard", before_step=before)
-        switch("all", True)
-        if not result.ok:
-            raise RuntimeError(result.error or "stalled")
-        return result.step_cpu_s
-
-    per_rep: dict[str, list[dict]] = {part: [] for part in args.part}
+    per_rep: dict[str, list[tuple[list[float], list[float]]]] = {part: [] for part in args.part}
     try:
         for rep in range(args.reps):
             for part in args.part:
-                a, b = replay(part, 0), replay(part, 1)
-                if len(a) != len(b):
-                    print("the two replays scheduled different steps", file=sys.stderr)
-                    return 1
-                on = [a[i] if i % 2 == 0 else b[i] for i in range(len(a))]
-                off = [b[i] if i % 2 == 0 else a[i] for i in range(len(a))]
-                figures = {
-                    "median_step_ratio": statistics.median(on) / statistics.median(off),
-                    "median_per_step_ratio": statistics.median(x / y for x, y in zip(on, off)),
-                    "sum_ratio": sum(on) / sum(off),
-                    "median_step_ms_off": 1e3 * statistics.median(off),
-                }
-                per_rep[part].append(figures)
-                print(f"rep {rep + 1}/{args.reps} {part}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures.items()),
-                      file=sys.stderr)
+                on, off, _ = toggler.pair(trace, part)
+                per_rep[part].append((on, off))
+                f = figures([(on, off)])
+                print(f"rep {rep + 1}/{args.reps} {part}: " + ", ".join(
+                    f"{k} {f[k]:.4f}" for k in ("median_step_ratio", "median_per_step_ratio", "sum_ratio",
+                                                "median_step_ms_off")), file=sys.stderr)
     except RuntimeError as error:
         print(f"replay failed: {error}", file=sys.stderr)
         return 1
@@ -215,18 +312,21 @@ def main(argv: list[str] | None = None) -> int:
         "admission": args.admission,
         "gc": args.gc,
         "reps": args.reps,
-        "parts": {part: {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
-                  for part, rows in per_rep.items()},
+        "agents": args.agents,
+        "turns": args.turns,
+        "steps": len(per_rep[args.part[0]][0][0]),
+        "parts": {part: {k: round(v, 4) for k, v in figures(rows).items()} for part, rows in per_rep.items()},
     }
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"kvguard replay step toggle on vLLM {out['vllm_version']} (admission {args.admission}, gc {args.gc}, {args.reps} reps, "
-          f"medians over reps; read each part against aa):")
+    print(f"kvguard replay step toggle on vLLM {out['vllm_version']} ({args.agents} agents x {args.turns} turns, "
+          f"{out['steps']} steps; admission {args.admission}, gc {args.gc}, {args.reps} reps; read each part against aa):")
     for part, f in out["parts"].items():
         print(f"  {part:<10} median step on/off {f['median_step_ratio']:.4f}, median per-step ratio "
-              f"{f['median_per_step_ratio']:.4f}, sum on/off {f['sum_ratio']:.4f} "
-              f"(median step off {f['median_step_ms_off']:.3f} ms)")
+              f"{f['median_per_step_ratio']:.4f}, sum on/off {f['sum_ratio']:.4f}, sum of per-step minima "
+              f"on/off {f['min_sum_ratio']:.4f} ({f['added_us_per_step']:+.1f} us per step; median step off "
+              f"{f['median_step_ms_off']:.3f} ms)")
     return 0
 
 

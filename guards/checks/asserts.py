@@ -31,7 +31,7 @@ from typing import Any
 from kvguard.guards import names
 from kvguard.guards.checks import copy_ledger, invariants, offload_plan
 from kvguard.guards.checks.load_coverage import Unsupported
-from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems
+from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
 from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.rewrite import GLOBAL_FAIL_REQUEST
 from kvguard.guards.hooking.sites import KIND_WINDOW, Site
@@ -515,10 +515,16 @@ def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, .
     req_status = context["req_status"]
     num_tokens = int(req_status.req.num_tokens)
     problems: list[str] = []
+    group_states = req_status.group_states
     for g, first, copied in _spec_groups(spec, block_ids):
         geo = geometries[g]
+        table = group_states[g].block_ids
+        # the usual store, read with one slice comparison and no dataclass (issue 31)
+        if store_in_place(table, copied, first, geo.tokens_per_block, geo.blocks_per_chunk,
+                          geo.kept_tokens, num_tokens):
+            continue
         found = group_store_problems(GroupStore(
-            table=req_status.group_states[g].block_ids,
+            table=table,
             copied=copied,
             first_index=first,
             tokens_per_block=geo.tokens_per_block,

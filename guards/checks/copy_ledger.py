@@ -212,21 +212,26 @@ def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], cop
                        keys_to_store: Collection[Any]) -> None:
     """Record what one KV cache group's part of a store (``copied`` ids from logical block
     ``first_index``) writes into its destination chunks (module docstring). The usual
-    store (chunk aligned, whole chunks, the table's ids in place, no null id) writes whole
-    chunks only and costs one slice comparison and a key lookup per chunk when the
-    ledger holds entries of the group."""
+    store (chunk aligned, whole chunks from the first one on, the table's ids in place, no
+    null id) writes whole chunks only: one slice comparison and a key test per chunk in C,
+    and a record only when the ledger holds entries of the group."""
     bpc = blocks_per_chunk
     skip = first_index % bpc
     count = -(-(skip + len(copied)) // bpc)
-    chunks = destination_chunks(offload_keys, keys_to_store, first_index // bpc, count)
     full = (1 << bpc) - 1
+    first_chunk = first_index // bpc
+    if skip == 0 and len(copied) == count * bpc and 0 not in copied:
+        copied_list = copied if type(copied) is list else list(copied)
+        span = offload_keys[first_chunk : first_chunk + count]
+        # the copy engine writes the count chunks from first_chunk (every key of them is
+        # stored), each from the table's own ids: whole chunks, tested in C (issue 31)
+        if (len(span) == count and table[first_index : first_index + len(copied)] == copied_list
+                and all(map(keys_to_store.__contains__, span))):
+            if ledger.groups[group]:
+                ledger.record(group, list(span), [full] * count, full)
+            return
+    chunks = destination_chunks(offload_keys, keys_to_store, first_chunk, count)
     keys = [offload_keys[c] for c in chunks]
-    contiguous = bool(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1
-    if (skip == 0 and len(copied) == count * bpc and len(chunks) == count and contiguous
-            and 0 not in copied and table[first_index : first_index + len(copied)] == list(copied)):
-        if ledger.groups[group]:
-            ledger.record(group, keys, [full] * len(keys), full)
-        return
     masks = chunk_masks(table, copied, first_index, bpc, chunks)
     ledger.record(group, keys, masks, full)
 

@@ -140,14 +140,16 @@ class GuardedBlockPool(wrapt.ObjectProxy):
 
 
 def bind_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``wrapt`` wrapper of a connector scheduler side's ``bind_gpu_block_pool(pool)``: the
-    connector keeps a :class:`GuardedBlockPool` of vLLM's pool (the scheduler's own calls
-    to the pool are untouched). An error of kvguard's counts ``stage="install"``."""
+    """``wrapt`` wrapper of a connector scheduler side's ``bind_gpu_block_pool(pool)``: where
+    the release's ``free_blocks`` enqueues a doubly listed block twice
+    (:func:`duplicates_corrupt`), the connector keeps a :class:`GuardedBlockPool` of vLLM's
+    pool (the scheduler's own calls to the pool are untouched); elsewhere vLLM's pool itself
+    (nothing to guard, no per-free cost). An error of kvguard's counts ``stage="install"``."""
     try:
         pool = args[0] if args else kwargs["gpu_block_pool"]
-        if not isinstance(pool, GuardedBlockPool):
-            pool = GuardedBlockPool(pool)
-        return wrapped(pool)
+        if isinstance(pool, GuardedBlockPool) or not duplicates_corrupt(type(pool)):
+            return wrapped(*args, **kwargs)  # this release enqueues such a block once: no proxy, no cost
+        return wrapped(GuardedBlockPool(pool))
     except Exception as error:
         runtime.guard_error(names.STAGE_INSTALL, error)
         return wrapped(*args, **kwargs)

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["GroupStore", "group_store_problems"]
+__all__ = ["GroupStore", "group_store_problems", "store_in_place"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,26 @@ def group_store_problems(g: GroupStore) -> list[str]:
             f"left_out: the last stored chunk gets {(skip + len(copied)) % bpc} of its {bpc} sub-blocks"
         )
     return problems
+
+
+def store_in_place(table: Sequence[int], copied: list[int], first_index: int, tokens_per_block: int,
+                   blocks_per_chunk: int, kept_tokens: int | None, num_tokens: int) -> bool:
+    """True when the group's store is the usual sound one, read without building a
+    :class:`GroupStore` (same fields, GPU blocks and tokens): the table holds the copied
+    blocks one after another from ``first_index`` (one slice comparison), no live block of
+    the first stored chunk precedes ``first_index`` and the last stored chunk is full. Then
+    :func:`group_store_problems` is empty (the walk finds each run where it first looks);
+    False says only "not this shape": call :func:`group_store_problems` for the verdict.
+    """
+    if not copied:
+        return True
+    if type(table) is not list or type(copied) is not list:
+        return False  # compared element-wise elsewhere (group_store_problems makes lists)
+    skip = first_index % blocks_per_chunk
+    if (skip + len(copied)) % blocks_per_chunk:
+        return False
+    # the first stored chunk's blocks before first_index must all be skipped: the last of
+    # them, first_index - 1, wholly below the skipped tokens
+    if skip and (kept_tokens is None or first_index * tokens_per_block > num_tokens - kept_tokens):
+        return False
+    return table[first_index : first_index + len(copied)] == copied

@@ -226,6 +226,8 @@ class WaitTable:
     async_loads: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None
     statuses: frozenset | None = None
+    #: ``RequestStatus.WAITING`` once read (compared by identity: an enum member)
+    waiting: Any = None
     #: True once :func:`attach` put the per-step hook on the connector scheduler: async
     #: loads are watched only then (nothing else would ever drop them)
     stepped: bool = False
@@ -346,10 +348,18 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
     now = time.monotonic()
     parked: set[str] = set()
     if table.async_loads:
+        req_status = getattr(cs, "_req_status", None)
         for rid, request in list(table.async_loads.items()):
+            status = request.status
+            # the usual case, first and without a call: a request still WAITING for its
+            # blocks (vLLM looks it up again each step), still the connector's
+            if status is table.waiting and (req_status is None or rid in req_status):
+                continue
             if statuses is None:
-                statuses = table.statuses = kv_wait_statuses(type(request.status))
-            status = request.status.name
+                statuses = table.statuses = kv_wait_statuses(type(status))
+            if table.waiting is None:
+                table.waiting = getattr(type(status), "WAITING", None)
+            status = status.name
             if status in statuses:
                 del table.async_loads[rid]
                 table.waits[rid] = Wait(names.WAIT_LOAD_IN_FLIGHT, request, since=now)

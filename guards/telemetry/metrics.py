@@ -25,10 +25,11 @@ No Prometheus write on a check's path (issue 31)
 ------------------------------------------------
 
 A check that counts on vLLM's path (an evaluation, a tolerated failure, a skipped lookup)
-adds to a plain dict of pending increments under a lock (about a microsecond); nothing
-there validates a prometheus label set, finds a child or writes an mmap file (17 us of a
-66 us store check, measured in place on 3 Dec 2026). The increments reach Prometheus in a
-batch (:meth:`GuardMetrics.flush`):
+adds to a plain dict of this process's counts (one update under the GIL, no lock; the
+label values are tested against the closed sets); nothing there builds a prometheus label
+set, finds a child or writes an mmap file (17 us of a 66 us store check, measured in place
+on 3 Dec 2026). A flush publishes what was counted since the last one
+(:meth:`GuardMetrics.flush`):
 
 - every :data:`FLUSH_INTERVAL_S` seconds, from one daemon thread for the whole process
   (started on the first increment, so a flush never waits for a next event);
@@ -317,10 +318,16 @@ class GuardMetrics:
     """
 
     def __init__(self, state_dir: Path | str | None = None, registry: Any = None) -> None:
-        self._lock = threading.Lock()
-        #: (metric name, labels as ((name, value), ...)) -> increment not yet published
-        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        #: histogram observations not yet published
+        #: serializes flushes (the flusher thread, a raised check, a fatal record, exit)
+        self._flush_lock = threading.Lock()
+        #: (metric name, labels as ((name, value), ...)) -> everything counted in this
+        #: process; written by the counting threads only, without a lock (each count is one
+        #: dict update under the GIL: the scheduler's own thread makes them)
+        self._counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        #: the same keys -> what a flush has published (read and written by flushes only)
+        self._published: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        #: histogram observations not yet published (list.append and del of a prefix are
+        #: atomic under the GIL)
         self._observed: list[float] = []
         if state_dir is not None:
             self.path: Path | None = Path(state_dir) / names.STATE_METRICS_SUBDIR
@@ -356,48 +363,44 @@ class GuardMetrics:
 
     # -- batching ----------------------------------------------------------------------
     def _add(self, name: str, labels: tuple[tuple[str, str], ...], amount: float) -> None:
+        counted = self._counts
         key = (name, labels)
-        with self._lock:
-            pending = self._pending
-            pending[key] = pending.get(key, 0) + amount
+        counted[key] = counted.get(key, 0) + amount
         if _flusher.thread is None:
             _flusher.start()
 
     def pending(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """A copy of the increments not yet published (``{(metric, labels): amount}``)."""
-        with self._lock:
-            return dict(self._pending)
+        """The increments not yet published (``{(metric, labels): amount}``)."""
+        published = self._published
+        return {key: total - published.get(key, 0) for key, total in list(self._counts.items())
+                if total != published.get(key, 0)}
 
     def flush(self) -> None:
-        """Publish the pending increments and observations to Prometheus (the multiprocess
-        files or the registry); safe from any thread, never loses an increment (a write
-        that raises puts what it had not written back to pending and re-raises)."""
-        with self._lock:
-            if not self._pending and not self._observed:
-                return
-            pending, self._pending = self._pending, {}
-            observed, self._observed = self._observed, []
-        items = list(pending.items())
-        done = 0
-        try:
-            for (name, labels), amount in items:
-                self._b.counter(name, dict(labels), amount)
-                done += 1
-            while observed:
-                self._b.histogram(names.METRIC_SWA_PENDING_BOUND_RATIO, observed[-1])
-                observed.pop()
-        except BaseException:
-            with self._lock:
-                for key, amount in items[done:]:
-                    self._pending[key] = self._pending.get(key, 0) + amount
-                self._observed.extend(observed)
-            raise
+        """Publish the increments and observations counted since the last flush to Prometheus
+        (the multiprocess files or the registry); safe from any thread. A write that raises
+        leaves what it had not written for the next flush, and re-raises."""
+        with self._flush_lock:
+            published = self._published
+            for key, total in list(self._counts.items()):  # one C call: atomic under the GIL
+                delta = total - published.get(key, 0)
+                if delta:
+                    name, labels = key
+                    self._b.counter(name, dict(labels), delta)
+                    published[key] = total
+            observed = self._observed
+            n = len(observed)
+            if n:
+                for value in observed[:n]:
+                    self._b.histogram(names.METRIC_SWA_PENDING_BOUND_RATIO, value)
+                del observed[:n]
 
     def _after_fork_in_child(self) -> None:
-        # the parent publishes what it counted; a lock held by its flusher at the fork
+        # the parent publishes what it counted; the child's files start from zero (the
+        # backend reopens them), and a lock held by the parent's flusher at the fork
         # would stay held here forever
-        self._lock = threading.Lock()
-        self._pending = {}
+        self._flush_lock = threading.Lock()
+        self._counts = {}
+        self._published = {}
         self._observed = []
         backend_lock = getattr(self._b, "_lock", None)
         if backend_lock is not None:
@@ -411,7 +414,8 @@ class GuardMetrics:
         (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
         created at 0 and stays there, because a passing vLLM assert is not counted.
         """
-        _validate(check, _CHECKS, "check")
+        if check not in _CHECKS:
+            _validate(check, _CHECKS, "check")
         self._add(names.METRIC_CHECK_EVALUATIONS, ((names.LABEL_CHECK, check),), amount)
 
     def tolerated(self, check: str) -> None:
@@ -456,11 +460,9 @@ class GuardMetrics:
 
     def swa_ratio(self, ratio: float) -> None:
         """Observe pending SWA GPU blocks / exact bound (dimensionless)."""
-        ratio = float(ratio)
-        with self._lock:
-            self._observed.append(ratio)
-            full = len(self._observed) >= MAX_PENDING_OBSERVATIONS
-        if full:
+        observed = self._observed
+        observed.append(float(ratio))
+        if len(observed) >= MAX_PENDING_OBSERVATIONS:
             self.flush()
         elif _flusher.thread is None:
             _flusher.start()

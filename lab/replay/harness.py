@@ -111,6 +111,8 @@ class ReplayResult:
     #: the same intervals in this thread's CPU time (``time.thread_time``): what a step
     #: cost the engine's thread, without the time other processes held the core
     step_cpu_s: list[float] = field(default_factory=list)
+    #: per step, the requests ``schedule()`` scheduled (running requests; the bench's growth axis)
+    step_requests: list[int] = field(default_factory=list)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per stage, exceptions inside kvguard code during the replay (runtime.guard_errors())
     guard_errors: dict[str, int] = field(default_factory=dict)
@@ -550,6 +552,7 @@ class _Replay:
         c3 = time.thread_time()
         result.step_times_s.append((t1 - t0) + (t3 - t2))
         result.step_cpu_s.append((c1 - c0) + (c3 - c2))
+        result.step_requests.append(len(getattr(sched_out, "num_scheduled_tokens", None) or ()))
         result.steps = step + 1
         for rid in getattr(sched_out, "preempted_req_ids", None) or ():
             result.preemptions[rid] = result.preemptions.get(rid, 0) + 1

@@ -132,6 +132,28 @@ def test_the_fast_path_records_what_the_slow_path_would() -> None:
     assert ledger.groups[0] == {"k0": 0b1100}
 
 
+@settings(max_examples=400, deadline=None)
+@given(_store(), st.data())
+def test_record_group_store_records_the_copy_engines_masks(store, data) -> None:
+    """Whichever path it takes (the usual store's test in C, or the masks), the ledger ends
+    as recording the slow path's destination chunks and masks would leave it."""
+    bpc, table, first, copied = store
+    nchunks = -(-len(table) // bpc) + 1
+    keys = [f"k{c}" for c in range(nchunks)]
+    stored = {k for k in keys if data.draw(st.integers(0, 4)) > 0}  # most keys are to store
+    old = {k: data.draw(st.integers(1, (1 << bpc) - 2)) for k in keys if data.draw(st.booleans())} \
+        if bpc > 1 else {}
+    ledger, expected = CopyLedger(1), CopyLedger(1)
+    for target in (ledger, expected):
+        if old:
+            target.record(0, list(old), list(old.values()), (1 << bpc) - 1)
+    copy_ledger.record_group_store(ledger, 0, table, copied, first, bpc, keys, stored)
+    count = -(-(first % bpc + len(copied)) // bpc)
+    chunks = destination_chunks(keys, stored, first // bpc, count)
+    expected.record(0, [keys[c] for c in chunks], chunk_masks(table, copied, first, bpc, chunks), (1 << bpc) - 1)
+    assert ledger.groups[0] == expected.groups[0]
+
+
 def test_with_secondary_tiers_a_whole_re_store_forgets_nothing() -> None:
     # the partial copy may live on in a secondary tier and be promoted back (0.29.0, seed 1)
     ledger = CopyLedger(1, forget_on_whole_store=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems
+from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
 
 
 def build_store(table: list[int], stored_chunks: list[int], bpc: int) -> tuple[list[int], int, list[int]]:
@@ -58,7 +58,7 @@ import pytest
 @pytest.mark.parametrize("bpc", [2, 3])
 def test_the_check_says_sound_exactly_when_the_copy_is(bpc):
     tpb = 4
-    cases = 0
+    cases = fast_cases = 0
     for n_chunks in (1, 2, 3):
         n = n_chunks * bpc
         # each position: live (its own id), zeroed (0), or a duplicate of an earlier id
@@ -84,11 +84,15 @@ def test_the_check_says_sound_exactly_when_the_copy_is(bpc):
                 for skipped in (0, 4, 8, 12, 40):
                     kept = 1000  # only num_tokens - kept matters: choose num_tokens to give `skipped`
                     g = GroupStore(table, copied, first, tpb, bpc, kept, kept + skipped)
-                    assert (group_store_problems(g) == []) == sound(
-                        table, stored, bpc, tpb, skipped, copied, first, positions
-                    ), (table, stored, skipped, group_store_problems(g))
+                    truth = sound(table, stored, bpc, tpb, skipped, copied, first, positions)
+                    assert (group_store_problems(g) == []) == truth, (table, stored, skipped, group_store_problems(g))
+                    # the fast path (issue 31) never calls an unsound store sound
+                    fast = store_in_place(table, copied, first, tpb, bpc, kept, kept + skipped)
+                    assert not fast or truth, (table, stored, skipped)
+                    fast_cases += fast
                     cases += 1
     assert cases > 500
+    assert fast_cases > cases // 10  # and it is the usual answer, not a path never taken
 
 
 def test_the_vllm_029_finding():

@@ -167,7 +167,9 @@ def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_failed_reques
     _, observed = _replay(guard=True, trace=trace, policy="observe")
     engine, guarded = _replay(guard=True, trace=trace)
     checks = guarded.checks["block_exclusive"]
-    assert checks["evaluated"] >= guarded.submitted  # every admission was checked
+    # every admission with a load was checked (the lookups that answered a hit)
+    loads = sum(1 for h in guarded.hits.values() if h["external_hit_tokens"] > 0)
+    assert checks["evaluated"] >= loads >= 1
     if _two_phase_allocation():
         assert plain.ok and guarded.ok and guarded.finished == guarded.submitted
         assert checks["violations"] == 0
@@ -264,7 +266,15 @@ def test_a_gpu_block_freed_twice_in_one_call_is_split() -> None:
     _, guarded = _replay(guard=True, trace=trace)
     checks = guarded.checks["gpu_free_once"]
     assert guarded.ok and guarded.finished == guarded.submitted and guarded.wrong_kv_blocks == 0
-    assert checks["evaluated"] > 0  # the connector's frees went through the guarded pool
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvguard.guards.checks import pool_frees
+
+    if pool_frees.duplicates_corrupt(BlockPool):
+        assert checks["evaluated"] > 0  # the connector's frees went through the guarded pool
+    else:
+        # this release enqueues a doubly listed block once: vLLM's own pool, no proxy, no cost
+        assert checks["evaluated"] == 0 and plain.ok
     if plain.ok:
         assert checks["violations"] == 0
         return

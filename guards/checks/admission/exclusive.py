@@ -18,20 +18,28 @@ group's local cache-hit blocks", ``kv_cache_coordinator.py``), and the check nev
 there. It depends on no connector's internals, so it guards both of vLLM's CPU offload
 connectors' scheduler sides (found by structure: :func:`scheduler_sides`).
 
-Cost: one pass over the request's block ids per admitted request (not per step).
+Scope: an allocation with a load (``num_external_tokens > 0``). The connector's load is
+what writes a page the offload path owns; without one the connector writes none of the
+request's blocks (its ``update_state_after_alloc`` only tracks their ids), and a repeat
+would be vLLM's core allocator serving wrong KV to its own forward, outside an offload
+guard (the #33775 path is the allocation of the external tokens' blocks between the
+groups' touches: there is none without external tokens).
+
+Cost: one pass in C over the request's block ids per admitted load (not per step; about
+20 us warm for a 12,000-token prompt in two groups, 4 Dec 2026: vLLM's own
+``get_block_ids`` is 8 of them, the set 8; vLLM's method walks the same blocks in Python).
 
 Action by policy (``update_state_after_alloc`` runs inside ``Scheduler.schedule()`` right
 after ``allocate_slots``):
 
 - ``observe``: counted (``continued``), vLLM's call unchanged: the wrong KV is served.
 - ``strict``: counted (``raised``), :class:`~kvguard.guards.checks.admission.counters.StrictFailure`.
-- ``guard`` with external tokens (the only way vLLM 0.21.0 produces it): the connector is
+- ``guard`` (vLLM 0.21.0 produces it with external tokens): the connector is
   told the request loads nothing (vLLM's own method with ``num_external_tokens=0``: it
   takes no load and releases what its lookup pinned), then the request fails alone through
   :func:`kvguard.guards.policy.degrade.fail_unloaded` (``request_failed``: finished with
   ``FINISHED_ERROR`` at the next ``update_from_output``, its blocks freed, its client told);
-  no engine-wide effect. Without external tokens (the forward itself would write the
-  shared page this step) or without a ``Scheduler`` to bind: ``raised``, the engine dies,
+  no engine-wide effect. Without a ``Scheduler`` to bind: ``raised``, the engine dies,
   as a dead engine is better than one that serves wrong KV.
 """
 
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from itertools import chain
 from typing import Any
 
 from kvguard.guards import names
@@ -53,10 +62,23 @@ PREFIX = "block_exclusive:"
 
 def shared_blocks(block_ids_by_group: Any) -> list[int]:
     """GPU block ids (``int``) listed more than once across the groups' lists, null block
-    (0) exempt; sorted. ``block_ids_by_group``: one sequence of block ids per KV cache group."""
+    (0) exempt; sorted. ``block_ids_by_group``: one sequence of block ids per KV cache group.
+
+    The common answer (none) is found in C: the distinct ids number the listed ones, less
+    the null block's repeats (a ``set`` over the chained lists, ``list.count(0)``); only a
+    request with a repeat takes the Python loop that names them (issue 31: the cost of an
+    admission must not be a Python loop over every block of a long prompt)."""
+    groups = [ids if isinstance(ids, (list, tuple)) else list(ids) for ids in block_ids_by_group]
+    listed = 0
+    nulls = 0
+    for ids in groups:
+        listed += len(ids)
+        nulls += ids.count(0)
+    if len(set(chain.from_iterable(groups))) == listed - max(nulls - 1, 0):
+        return []
     seen: set[int] = set()
     twice: set[int] = set()
-    for ids in block_ids_by_group:
+    for ids in groups:
         for block_id in ids:
             if block_id and block_id in seen:
                 twice.add(int(block_id))
@@ -102,6 +124,8 @@ def exclusive_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         return wrapped(*args, **kwargs)
     try:
         request, blocks, num_external_tokens = bind_call(wrapped, args, kwargs)
+        if num_external_tokens <= 0:
+            return wrapped(*args, **kwargs)  # no load: the connector writes none of these blocks
         shared = shared_blocks(blocks.get_block_ids())
         counters.bump(PREFIX + "evaluated")
     except Exception as error:
