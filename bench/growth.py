@@ -83,25 +83,21 @@ def growth_trace(agents: int, prompt: tuple[int, int], turns: int = 3, seed: int
 
 def measure(toggler: Toggler, trace: Trace, part: str, reps: int) -> dict:
     """One point: ``reps`` pairs of replays of ``trace`` with ``part`` switched; the figures."""
-    from kvguard.guards.telemetry import counts
-
     rows = []
     stores = 0
     requests_per_step = 0.0
     for _ in range(reps):
-        before = counts.snapshot()["store_coverage"]["evaluated"] or 0
-        on, off, result = toggler.pair(trace, part)
-        after = counts.snapshot()["store_coverage"]["evaluated"] or 0
-        stores += after - before
+        on, off, results = toggler.pair(trace, part)
+        # each replay counts its own (run_replay resets the counts): the two "on" halves
+        # together are one replay's stores
+        stores += sum(r.checks.get("store_coverage", {}).get("evaluated") or 0 for r in results)
         rows.append((on, off))
-        requests_per_step = sum(result.step_requests) / len(result.step_requests)
+        requests_per_step = sum(results[0].step_requests) / len(results[0].step_requests)
     steps = len(rows[0][0])
     f = figures(rows)
     return {
         "steps": steps,
         "requests_per_step": round(requests_per_step, 2),
-        # each pair replays twice with the part on for half the steps: a replay's worth of
-        # "on" steps per pair, so the evaluations per pair are one replay's stores
         "store_checks_per_step": round(stores / reps / steps, 3),
         "vllm_step_us": round(f["mean_step_us_off"], 1),
         "kvguard_added_us_per_step": round(f["added_us_per_step"], 2),

@@ -198,9 +198,9 @@ class Toggler:
             raise RuntimeError(result.error or "stalled")
         return result
 
-    def pair(self, trace: Any, part: str) -> tuple[list[float], list[float], Any]:
-        """Two replays with opposite parity: ``(on, off, result)``, each step's CPU seconds
-        with ``part`` on and off (``result``: the first replay). Raises ``RuntimeError``
+    def pair(self, trace: Any, part: str) -> tuple[list[float], list[float], list[Any]]:
+        """Two replays with opposite parity: ``(on, off, results)``, each step's CPU seconds
+        with ``part`` on and off (``results``: the two ReplayResults). Raises ``RuntimeError``
         when a replay failed or the two scheduled different steps."""
         ra, rb = self.replay(trace, part, 0), self.replay(trace, part, 1)
         a, b = ra.step_cpu_s, rb.step_cpu_s
@@ -208,7 +208,7 @@ class Toggler:
             raise RuntimeError("the two replays scheduled different steps")
         on = [a[i] if i % 2 == 0 else b[i] for i in range(len(a))]
         off = [b[i] if i % 2 == 0 else a[i] for i in range(len(a))]
-        return on, off, ra
+        return on, off, [ra, rb]
 
 
 def figures(reps: list[tuple[list[float], list[float]]]) -> dict[str, float]:

@@ -36,10 +36,14 @@ Around each step the wrap:
 3. sets the state of every part before every step, changed or not (each step pays the same
    switching work, outside the timed region; setting ``__code__`` also resets the
    function's call specialisation in both states alike): admission on = the lookup's code
-   with the check, off = without it; code on = kvguard's code objects, off = vLLM's.
-   The cache policy's removal counting (``kvguard.guards.checks.tier_removals``) stays on in
-   both states (the replay bench, ``bench/step_toggle.py``, switches it with the
-   admission part). Parts other than the pair's stay on (production);
+   with the check, off = without it; code on = kvguard's code objects, off = vLLM's;
+   ``all`` also puts kvguard's ``wrapt`` wraps of per-step and per-request methods on the
+   classes or takes them off (``block_exclusive`` on ``update_state_after_alloc``; the
+   constructors' wraps stay) and the wait bound's per-scheduler ``build_connector_meta``
+   (issue 31: everything kvguard runs in a step). The cache policy's removal counting
+   (``kvguard.guards.checks.tier_removals``) stays on in both states (the replay bench,
+   ``bench/step_toggle.py``, switches it with the admission part). Parts other than the
+   pair's stay on (production);
 4. times the step (``time.perf_counter`` and ``time.thread_time``) and, inside it, the
    scheduler's own work (``schedule`` + ``update_from_output``, through instance
    attributes on the scheduler, in both states: a closure call each);
@@ -159,6 +163,16 @@ class _Bench:
             info["admission_alone"] = bool(self.lookups) and all(
                 without is originals.get(f) for f, _, without in self.lookups)
             self.refresh_codes()
+            # kvguard's wrapt wraps of per-step / per-request methods (block_exclusive on
+            # update_state_after_alloc, ...) and the wait bound's per-scheduler
+            # build_connector_meta: switched with "all" (constructors' wraps run once)
+            self.wraps = [(owner, a, owner.__dict__[a], original) for owner, a, original in
+                          (state.attr_patches if state is not None else [])
+                          if a != "__init__" and a in owner.__dict__]
+            self.instance_wraps = {k: v for k, v in (vars(cs) if cs is not None else {}).items()
+                                   if getattr(v, "_kvguard_wait_bound", False)}
+            info["wraps"] = [f"{owner.__qualname__}.{a}" for owner, a, _, _ in self.wraps] + [
+                f"instance.{k}" for k in self.instance_wraps]
             info["code_patches"] = len(self.codes)
             info["code_patches_live"] = sum(1 for f, ours, orig in self.codes if ours is not orig)
             # the scheduler's own work, timed in both states (instance attributes)
@@ -215,6 +229,14 @@ class _Bench:
             self.refresh_codes()
         for f, ours, orig in self.codes:
             f.__code__ = ours if code else orig
+        wraps = on or name != "all"
+        for owner, attr, wrapper, original in self.wraps:
+            setattr(owner, attr, wrapper if wraps else original)
+        if wraps:
+            vars(self.cs).update(self.instance_wraps)
+        else:
+            for k in self.instance_wraps:
+                vars(self.cs).pop(k, None)
 
     # -- the wrap --------------------------------------------------------------------------
     def step(self, wrapped, instance, args, kwargs):

@@ -344,6 +344,16 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
     table = cs.__dict__.get(TABLE_ATTR)
     if table is None or not (table.waits or table.async_loads):
         return
+    if not table.waits and table.waiting is not None:
+        # the usual step: no wait to observe, only requests vLLM looks up again each step,
+        # still WAITING for their blocks and still the connector's: nothing to do
+        req_status = getattr(cs, "_req_status", None)
+        waiting = table.waiting
+        for rid, request in table.async_loads.items():
+            if request.status is not waiting or (req_status is not None and rid not in req_status):
+                break
+        else:
+            return
     statuses = table.statuses
     now = time.monotonic()
     parked: set[str] = set()
