@@ -86,8 +86,8 @@ def measure(toggler: Toggler, trace: Trace, part: str, reps: int) -> dict:
     rows = []
     stores = 0
     requests_per_step = 0.0
-    for _ in range(reps):
-        on, off, results = toggler.pair(trace, part)
+    for rep in range(reps):
+        on, off, results = toggler.pair(trace, part, odd_first=rep % 2 == 1)
         # each replay counts its own (run_replay resets the counts): the two "on" halves
         # together are one replay's stores
         stores += sum(r.checks.get("store_coverage", {}).get("evaluated") or 0 for r in results)

@@ -36,14 +36,15 @@ the work of the few steps with a store or a window check counts in full; the two
 medians barely see it); a part is read against the ``aa`` row of the same run.
 
 The mean, two ways (issue 31): ``sum_ratio`` is each repetition's sum on / sum off, the
-median over repetitions: one step that another tenant's burst or a page fault slows by a
-millisecond moves it by a percent or more (0.82-1.18 across three repetitions of ``aa``,
-4 Dec 2026). ``min_sum_ratio`` takes each step's least time over the repetitions, on
-and off separately, then sums: the replays are deterministic (every repetition schedules
-the same steps), and noise on a host only adds time, so each step's minimum is its cost
-without the noise, and every step still counts in full. ``added_us_per_step`` is the
-same difference per step in microseconds (kvguard's cost per step, the growth figure of
-``bench/growth.py``). ``--admission call-only``
+median over repetitions (the figure read against ``aa``): one step that another tenant's
+burst or a page fault slows by a millisecond moves a repetition's sum by a percent or
+more (0.82-1.18 across three repetitions of ``aa``, 4 Dec 2026), so the median over
+repetitions is what is read. ``min_sum_ratio`` takes each step's least time over the
+repetitions, on and off separately, then sums (the replays are deterministic, and noise
+on a host only adds time); ``added_us_per_step`` is the same difference per step in
+microseconds (the growth figure of ``bench/growth.py``). Read it with its own ``aa``: at
+``--agents 160`` that row reads 0.983 (4 Dec 2026, the cause not found), at the default
+traffic 1.001. ``--admission call-only``
 makes :func:`~kvguard.guards.checks.admission.admit_return` return vLLM's answer at once (what
 the call from vLLM's code costs alone). The bench needs the admission check in vLLM's
 code (the ``admission_return`` rewrite) and a lookup with no other site; it says so and
@@ -198,11 +199,17 @@ class Toggler:
             raise RuntimeError(result.error or "stalled")
         return result
 
-    def pair(self, trace: Any, part: str) -> tuple[list[float], list[float], list[Any]]:
+    def pair(self, trace: Any, part: str, odd_first: bool = False) -> tuple[list[float], list[float], list[Any]]:
         """Two replays with opposite parity: ``(on, off, results)``, each step's CPU seconds
-        with ``part`` on and off (``results``: the two ReplayResults). Raises ``RuntimeError``
-        when a replay failed or the two scheduled different steps."""
-        ra, rb = self.replay(trace, part, 0), self.replay(trace, part, 1)
+        with ``part`` on and off (``results``: the two ReplayResults, even parity first).
+        ``odd_first``: run the odd-parity replay first (alternated over repetitions, so
+        neither half is always timed in the second replay of a pair). Raises
+        ``RuntimeError`` when a replay failed or the two scheduled different steps."""
+        if odd_first:
+            rb = self.replay(trace, part, 1)
+            ra = self.replay(trace, part, 0)
+        else:
+            ra, rb = self.replay(trace, part, 0), self.replay(trace, part, 1)
         a, b = ra.step_cpu_s, rb.step_cpu_s
         if len(a) != len(b):
             raise RuntimeError("the two replays scheduled different steps")
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(args.reps):
             for part in args.part:
-                on, off, _ = toggler.pair(trace, part)
+                on, off, _ = toggler.pair(trace, part, odd_first=rep % 2 == 1)
                 per_rep[part].append((on, off))
                 f = figures([(on, off)])
                 print(f"rep {rep + 1}/{args.reps} {part}: " + ", ".join(
