@@ -128,10 +128,19 @@ def test_d_kvguard_counters_of_both_ranks_merge_in_the_sidecar(dp):
     s = dp.server
     assert "conversations" in dp.results, "needs both ranks' conversations"
     named = dp.results["named"]
-    files = files_by_pid(s.state_dir)
-    per_rank = {rank: file_values(files[named[f"EngineCore_DP{rank}"]], "counter").get(EVALUATED, 0.0) for rank in RANKS}
-    ratio = {rank: file_values(files[named[f"EngineCore_DP{rank}"]], "histogram")
-             .get(("kvguard_swa_pending_bound_ratio_sum", ()), 0.0) for rank in RANKS}
+
+    def read() -> tuple[dict, dict]:
+        files = files_by_pid(s.state_dir)
+        evals = {rank: file_values(files[named[f"EngineCore_DP{rank}"]], "counter").get(EVALUATED, 0.0)
+                 for rank in RANKS}
+        sums = {rank: file_values(files[named[f"EngineCore_DP{rank}"]], "histogram")
+                .get(("kvguard_swa_pending_bound_ratio_sum", ()), 0.0) for rank in RANKS}
+        return evals, sums
+
+    # each EngineCore publishes its counts in batches, at most FLUSH_INTERVAL_S (1 s) late
+    # (guards/telemetry/metrics.py): wait, bounded, for the last rank's flush
+    wait_for(lambda: all(v >= 1.0 for v in read()[0].values()), 10, "both ranks' files", interval=0.2)
+    per_rank, ratio = read()
     print(f"[live-dp] swa_pending_bound evaluations per rank (files): {per_rank}; ratio sums {ratio}")
     assert per_rank == {0: 1.0, 1: 1.0}  # one load per rank
     assert ratio == {rank: pytest.approx(SWA_LOAD_BLOCKS / EXACT_BOUND) for rank in RANKS}
