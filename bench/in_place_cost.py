@@ -47,18 +47,22 @@ def timed(name: str, func):
     return call
 
 
+def timed_inside(func, inside: list[int]):
+    """``func`` with its calls' time added to ``inside[0]`` (what a caller subtracts)."""
+    def inner(*a, **k):
+        t1 = _clock()
+        try:
+            return func(*a, **k)
+        finally:
+            inside[0] += _clock() - t1
+    return inner
+
+
 def timed_around(name: str, wrapper):
     """A ``wrapt`` wrapper function whose own time (without the wrapped call) goes to ``totals[name]``."""
     def outer(wrapped, instance, args, kwargs):
         inside = [0]
-
-        def inner(*a, **k):
-            t1 = _clock()
-            try:
-                return wrapped(*a, **k)
-            finally:
-                inside[0] += _clock() - t1
-
+        inner = timed_inside(wrapped, inside)
         t0 = _clock()
         try:
             return wrapper(inner, instance, args, kwargs)
@@ -104,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed_counting(method, epoch, policy, attrs, keyed):
         inside = [0]
-
-        def inner(*a, **k):
-            t1 = _clock()
-            try:
-                return method(*a, **k)
-            finally:
-                inside[0] += _clock() - t1
-
-        counted = counting(inner, epoch, policy, attrs, keyed)
+        counted = counting(timed_inside(method, inside), epoch, policy, attrs, keyed)
 
         def call(*a, **k):
             before, t0 = inside[0], _clock()

@@ -113,6 +113,7 @@ __all__ = [
     "observe_deferred",
     "answered",
     "admitted_async",
+    "hit_answered",
     "snapshot",
     "reset",
 ]
@@ -333,6 +334,19 @@ def admitted_async(cs: Any, request: Any) -> None:
         table.async_loads[request.request_id] = request
 
 
+def hit_answered(cs: Any, request: Any, load_async: bool) -> None:
+    """The lookup answered ``request`` with a number (a hit, or 0): a deferral, if any,
+    ended (:func:`answered`); ``load_async`` (a hit loaded asynchronously): watched
+    (:func:`admitted_async`, where the per-step hook is attached)."""
+    table = cs.__dict__.get(TABLE_ATTR)
+    if table is None:
+        return
+    if table.waits:
+        answered(cs, request.request_id)
+    if load_async and table.stepped:
+        table.async_loads[request.request_id] = request
+
+
 # -- async loads (once per schedule(), from build_connector_meta) -----------------------
 def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
     """One ``schedule()`` of the scheduler that owns ``cs`` ended (``build_connector_meta``
@@ -344,11 +358,11 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
     table = cs.__dict__.get(TABLE_ATTR)
     if table is None or not (table.waits or table.async_loads):
         return
-    if not table.waits and table.waiting is not None:
-        # the usual step: no wait to observe, only requests vLLM looks up again each step,
-        # still WAITING for their blocks and still the connector's: nothing to do
-        req_status = getattr(cs, "_req_status", None)
-        waiting = table.waiting
+    # a request vLLM looks up again each step, still WAITING for its blocks and still the
+    # connector's, has nothing to observe: tested first, without a call (the usual step)
+    req_status = getattr(cs, "_req_status", None)
+    waiting = table.waiting
+    if not table.waits and waiting is not None:
         for rid, request in table.async_loads.items():
             if request.status is not waiting or (req_status is not None and rid not in req_status):
                 break
@@ -358,17 +372,14 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
     now = time.monotonic()
     parked: set[str] = set()
     if table.async_loads:
-        req_status = getattr(cs, "_req_status", None)
         for rid, request in list(table.async_loads.items()):
             status = request.status
-            # the usual case, first and without a call: a request still WAITING for its
-            # blocks (vLLM looks it up again each step), still the connector's
-            if status is table.waiting and (req_status is None or rid in req_status):
+            if status is waiting and (req_status is None or rid in req_status):
                 continue
             if statuses is None:
                 statuses = table.statuses = kv_wait_statuses(type(status))
-            if table.waiting is None:
-                table.waiting = getattr(type(status), "WAITING", None)
+            if waiting is None:
+                waiting = table.waiting = getattr(type(status), "WAITING", None)
             status = status.name
             if status in statuses:
                 del table.async_loads[rid]
@@ -485,10 +496,8 @@ def observe_answer(cs: Any, request: Any, answer: Any) -> None:
     SimpleCPUOffloadConnector's) answered ``answer`` for ``request``: an answer with
     ``load_kv_async`` is watched (:func:`admitted_async`), a number ends a deferral
     (:func:`answered`). Called by :func:`kvguard.guards.checks.admission.written.lookup_wrapper`."""
-    if answer is not None and answer[0] is not None and TABLE_ATTR in cs.__dict__:
-        answered(cs, request.request_id)
-        if answer[1]:
-            admitted_async(cs, request)
+    if answer is not None and answer[0] is not None:
+        hit_answered(cs, request, bool(answer[1]))
 
 
 def attach_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

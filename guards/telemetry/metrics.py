@@ -34,8 +34,9 @@ on 3 Dec 2026). A flush publishes what was counted since the last one
 - every :data:`FLUSH_INTERVAL_S` seconds, from one daemon thread for the whole process
   (started on the first increment, so a flush never waits for a next event);
 - at once, on the thread that counts it, for a ``raised`` violation (the engine may be
-  dying) and before a fatal record (:mod:`kvguard.guards.policy.fatal` calls
-  :func:`flush_all` first: a fatal record's counters are never lost);
+  dying) and before a fatal record (:mod:`kvguard.guards.policy.fatal` counts
+  :meth:`GuardMetrics.engine_fatal` first, which runs :func:`flush_all`: a fatal record's
+  counters are never lost);
 - at process exit: ``atexit`` (the main process, a ``spawn``-started EngineCore or worker,
   which leaves through ``sys.exit``) and ``multiprocessing``'s exit finalizers (a
   ``fork``-started child leaves through ``os._exit`` after running them);

@@ -100,12 +100,9 @@ def check_hit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, hit:
         return answer
     epoch = plan.epoch
     now = epoch.n if epoch is not None else None  # read before any entry (tier_removals)
-    if now is not None:
-        kept = plan.verdicts.get(request.request_id)
-        if (kept is not None and kept[0] == now and kept[1] is req_status
-                and kept[2] == num_computed_tokens and kept[3] == hit):
-            counters.stats["reused"] += 1  # same question, nothing removed since: same verdict
-            return answer
+    if now is not None and verdict_kept(plan, now, req_status, request.request_id, num_computed_tokens, hit):
+        counters.stats["reused"] += 1  # same question, nothing removed since: same verdict
+        return answer
     counters.stats["evaluated"] += 1
     num_cached = num_computed_tokens + hit
     dict_attr = plan.dict_attr
@@ -147,6 +144,17 @@ def check_hit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, hit:
         return answer  # every group loadable: vLLM's answer, the same object
     return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer,
                 cs.__dict__.get(copy_ledger.LEDGER_ATTR))
+
+
+def verdict_kept(plan: offload_plan.Plan, epoch_now: int, req_status: Any, request_id: str,
+                 num_computed_tokens: int, hit: int) -> bool:
+    """Whether the plan keeps a passing verdict for this very question: the same request
+    status object, local tokens and hit (tokens), asked at removal epoch ``epoch_now``
+    (:mod:`kvguard.guards.checks.tier_removals`: nothing the check read can have left the
+    tier since)."""
+    kept = plan.verdicts.get(request_id)
+    return (kept is not None and kept[0] == epoch_now and kept[1] is req_status
+            and kept[2] == num_computed_tokens and kept[3] == hit)
 
 
 #: KVGUARD_ADMISSION_FULL=1: read every full-attention chunk too (cost grows with the hit)

@@ -55,10 +55,7 @@ def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: di
         hit = out[0]
         if hit is None:
             return _wait_deferred(cs, request, num_computed_tokens, out)
-        if TABLE_ATTR in cs.__dict__:
-            wait_bound.answered(cs, request.request_id)
-        if hit and out[1]:
-            wait_bound.admitted_async(cs, request)
+        wait_bound.hit_answered(cs, request, bool(hit and out[1]))
     except AssertionError:
         raise  # strict
     except Exception as error:  # guard code never takes the engine down
@@ -242,23 +239,18 @@ def _reused(cs: Any, request: Any, num_computed_tokens: int, hit: int, answer: A
     """True (counted ``reused``, the wait bound told) when vLLM's lookup asked the question
     of a kept verdict again: :func:`~kvguard.guards.checks.admission.loadable.check_hit`'s
     reuse test, read here before any other call (vLLM asks the head of the waiting queue
-    again every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace)."""
+    again every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace, 0.33.0)."""
     plan = cs.__dict__.get(offload_plan.PLAN_ATTR)
-    if plan is None or plan.__class__ is not offload_plan.Plan or plan.epoch is None:
+    if plan is None or plan.__class__ is not offload_plan.Plan or plan.epoch is None or plan.epoch.n is None:
         return False
     rid = request.request_id
-    kept = plan.verdicts.get(rid)
-    if (kept is None or kept[0] != plan.epoch.n or kept[2] != num_computed_tokens or kept[3] != hit
-            or kept[1] is not cs._req_status.get(rid) or getattr(kept[1], "partial_tail_boundary", None) is not None):
+    req_status = cs._req_status.get(rid)
+    if (getattr(req_status, "partial_tail_boundary", None) is not None
+            or not loadable.verdict_kept(plan, plan.epoch.n, req_status, rid, num_computed_tokens, hit)):
         return False
     counters.stats["reused"] += 1
     if wait_bound._enabled:  # what admit() tells the wait bound of a checked hit
-        table = cs.__dict__.get(TABLE_ATTR)
-        if table is not None:
-            if table.waits:
-                wait_bound.answered(cs, rid)
-            if answer[1] and table.stepped:
-                table.async_loads[rid] = request
+        wait_bound.hit_answered(cs, request, bool(answer[1]))
     return True
 
 
