@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if attr != "__init__" and isinstance(current, wrapt.FunctionWrapper):
             label = f"{current._self_wrapper.__name__} ({attr})"
             setattr(owner, attr, wrapt.FunctionWrapper(original, timed_around(label, current._self_wrapper)))
-    wait_bound.observe_step = timed("observe_step (wait bound, per step)", wait_bound.observe_step)
+    wait_bound.observe_step = timed("observe_step (wait bound, a step with a watched request)", wait_bound.observe_step)
     counting = tier_removals._counting
 
     def timed_counting(method, epoch, policy, attrs, keyed):

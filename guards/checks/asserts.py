@@ -23,7 +23,6 @@ behaviour follows (the assert's AssertionError when it failed, otherwise continu
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -310,7 +309,9 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
 
     kind, sw, tpb, bpc, extra = geometry
     pending = _pending_blocks(site, context)
-    vllm_bound = _vllm_window_bound(site, context)
+    # vLLM's own bound (an eval of its expression) is read where it decides something:
+    # Mamba's exact limit, and the event of a failure; a passing SWA check never reads it
+    vllm_bound = _vllm_window_bound(site, context) if kind == "mamba" else None
     if kind == "mamba":
         # Mamba depends on a single state: never loosened (exactly vLLM's limit).
         check_name = names.CHECK_MAMBA_STATE_LIMIT
@@ -345,6 +346,8 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
         action = names.ACTION_RAISED
         result = _exc(msg)
 
+    if kind != "mamba":
+        vllm_bound = _vllm_window_bound(site, context)
     request = context.get("request")
     geometry_fields = dict(
         site=site.site_id,
@@ -410,18 +413,18 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
         return None
     try:
         try:
-            geometries, block_ids = _store_inputs(spec, context)
+            geometries, parts = _store_inputs(spec, context)
         except Unsupported:  # a group kind or config kvguard cannot read: not checked
             return None
         if store_coverage_disabled or runtime.suppress_depth:
             problems: list[str] = []
         else:
-            problems = _store_problems(spec, context, geometries, block_ids)
+            problems = _store_problems(context, geometries, parts)
             counts.count_eval(names.CHECK_STORE_COVERAGE)
         # the ledger records a store that goes ahead only: a dropped store writes nothing,
         # and recording it would forget an earlier partial copy of the same key
         if not copy_coverage_disabled and (not problems or policy == names.POLICY_OBSERVE):
-            _record_copies(spec, context, geometries, block_ids)
+            _record_copies(context, geometries, parts)
         if not problems:
             return None
         if policy == names.POLICY_GUARD:
@@ -452,9 +455,10 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
 
 
 
-def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], list[int]]:
-    """``(group geometries, the spec's block ids as plain ints)`` of a store the builder just
-    built; Unsupported when kvguard cannot read a group's geometry."""
+def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], list[tuple[int, int, list[int]]]]:
+    """``(group geometries, the spec's groups as :func:`_spec_groups` lists them)`` of a store
+    the builder just built, read once for the store check and the copy ledger both;
+    Unsupported when kvguard cannot read a group's geometry."""
     cs = context["self"]
     geometries = cs.__dict__.get("_kvguard_store_geometry")
     if geometries is None:
@@ -463,24 +467,26 @@ def _store_inputs(spec: Any, context: dict[str, Any]) -> tuple[tuple[Any, ...], 
     # list() would give numpy scalars, slow to build and to compare with the table's ints
     block_ids = spec.block_ids
     block_ids = block_ids.tolist() if hasattr(block_ids, "tolist") else list(block_ids)
-    return geometries, block_ids
+    return geometries, _spec_groups(spec, block_ids)
 
 
 
-def _spec_groups(spec: Any, block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
+def _spec_groups(spec: Any, block_ids: list[int]) -> list[tuple[int, int, list[int]]]:
     """``(group, block_indices[group], that group's block ids)`` of each KV cache group with
     blocks in the spec (``GPULoadStoreSpec``: the ids of group ``g`` follow those of the
     groups before it, ``group_sizes[g]`` of them)."""
+    parts = []
     offset = 0
     for g, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
         size = int(size)
         if size:
-            yield g, int(first), block_ids[offset : offset + size]
+            parts.append((g, int(first), block_ids[offset : offset + size]))
         offset += size
+    return parts
 
 
 
-def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> None:
+def _record_copies(context: dict[str, Any], geometries: tuple[Any, ...], parts: list[tuple[int, int, list[int]]]) -> None:
     """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.checks.copy_ledger`),
     for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
     keys the manager will write); without it the ledger is marked unreadable for this
@@ -500,7 +506,7 @@ def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ..
     if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
         ledger.unreadable = "the store builder has no keys_to_store collection"
         return
-    for g, first, copied in _spec_groups(spec, block_ids):
+    for g, first, copied in parts:
         state = group_states[g]
         copy_ledger.record_group_store(
             ledger, g, state.block_ids, copied, first, geometries[g].blocks_per_chunk,
@@ -509,14 +515,14 @@ def _record_copies(spec: Any, context: dict[str, Any], geometries: tuple[Any, ..
 
 
 
-def _store_problems(spec: Any, context: dict[str, Any], geometries: tuple[Any, ...], block_ids: list[int]) -> list[str]:
+def _store_problems(context: dict[str, Any], geometries: tuple[Any, ...], parts: list[tuple[int, int, list[int]]]) -> list[str]:
     """Per KV cache group of the spec, :func:`kvguard.guards.checks.store_coverage.group_store_problems`
     (prefixed ``group <g>:``); groups with no block in this store are skipped."""
     req_status = context["req_status"]
     num_tokens = int(req_status.req.num_tokens)
     problems: list[str] = []
     group_states = req_status.group_states
-    for g, first, copied in _spec_groups(spec, block_ids):
+    for g, first, copied in parts:
         geo = geometries[g]
         table = group_states[g].block_ids
         # the usual store, read with one slice comparison and no dataclass (issue 31)

@@ -140,6 +140,8 @@ def _validate(value: str, allowed: Any, what: str) -> None:
 
 # the closed label sets as frozensets (a membership test per count, not a tuple scan)
 _CHECKS = frozenset(names.CHECKS)
+#: the pending-count key of each check's evaluations, built once
+_EVALUATION_KEYS = {c: (names.METRIC_CHECK_EVALUATIONS, ((names.LABEL_CHECK, c),)) for c in _CHECKS}
 _ACTIONS = frozenset(names.ACTIONS)
 _STAGES = frozenset(names.STAGES)
 _SKIPPABLE = frozenset(names.SKIPPABLE_CHECKS)
@@ -415,9 +417,13 @@ class GuardMetrics:
         (``swa_pending_bound``, ``mamba_state_limit``); every other check's series is
         created at 0 and stays there, because a passing vLLM assert is not counted.
         """
-        if check not in _CHECKS:
+        key = _EVALUATION_KEYS.get(check)
+        if key is None:
             _validate(check, _CHECKS, "check")
-        self._add(names.METRIC_CHECK_EVALUATIONS, ((names.LABEL_CHECK, check),), amount)
+        counted = self._counts  # _add written out: the store and window checks count here (issue 31)
+        counted[key] = counted.get(key, 0) + amount
+        if _flusher.thread is None:
+            _flusher.start()
 
     def tolerated(self, check: str) -> None:
         _validate(check, _CHECKS, "check")

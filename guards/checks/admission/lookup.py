@@ -35,7 +35,9 @@ from typing import Any, Callable
 from kvguard.guards import names
 from kvguard.guards.checks import offload_plan, wait_bound
 from kvguard.guards.checks.admission import counters, loadable, promotion
+from kvguard.guards.checks.admission.counters import stats
 from kvguard.guards.checks.load_coverage import load_set
+from kvguard.guards.checks.offload_plan import PLAN_ATTR, Plan
 from kvguard.guards.checks.tier_removals import unwatch_all as unwatch_removals
 from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN
 from kvguard.guards.policy import runtime
@@ -224,34 +226,37 @@ def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -
             if not hit:  # None (deferred) or 0: no hit to check
                 if hit is None and wait_bound._enabled:
                     return admit(cs, request, num_computed_tokens, answer, None)  # the wait bound
-                if TABLE_ATTR in cs.__dict__:
+                table = cs.__dict__.get(TABLE_ATTR)
+                if table is not None and table.waits:  # a deferral, if any, ended
                     wait_bound.answered(cs, request.request_id)
                 return answer
-            if _reused(cs, request, num_computed_tokens, hit, answer):
-                return answer
+            # a kept verdict asked again (vLLM asks the head of the waiting queue again
+            # every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace,
+            # 0.33.0): loadable.verdict_kept and wait_bound.hit_answered written inline,
+            # since each Python call here costs about a microsecond cold (issue 31,
+            # bench/in_place_cost.py: 5.6 us per reused answer through three calls)
+            plan = cs.__dict__.get(PLAN_ATTR)
+            if plan.__class__ is Plan:
+                rid = request.request_id
+                kept = plan.verdicts.get(rid)
+                epoch = plan.epoch
+                if (kept is not None and epoch is not None and kept[0] == epoch.n
+                        and kept[2] == num_computed_tokens and kept[3] == hit):
+                    req_status = cs._req_status.get(rid)
+                    if kept[1] is req_status and getattr(req_status, "partial_tail_boundary", None) is None:
+                        stats["reused"] += 1
+                        if wait_bound._enabled:
+                            table = cs.__dict__.get(TABLE_ATTR)
+                            if table is not None:
+                                if table.waits:
+                                    wait_bound.answered(cs, rid)
+                                if answer[1] and table.stepped:
+                                    table.async_loads[rid] = request
+                        return answer
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer
     return admit(cs, request, num_computed_tokens, answer, seen)
-
-
-def _reused(cs: Any, request: Any, num_computed_tokens: int, hit: int, answer: Any) -> bool:
-    """True (counted ``reused``, the wait bound told) when vLLM's lookup asked the question
-    of a kept verdict again: :func:`~kvguard.guards.checks.admission.loadable.check_hit`'s
-    reuse test, read here before any other call (vLLM asks the head of the waiting queue
-    again every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace, 0.33.0)."""
-    plan = cs.__dict__.get(offload_plan.PLAN_ATTR)
-    if plan is None or plan.__class__ is not offload_plan.Plan or plan.epoch is None or plan.epoch.n is None:
-        return False
-    rid = request.request_id
-    req_status = cs._req_status.get(rid)
-    if (getattr(req_status, "partial_tail_boundary", None) is not None
-            or not loadable.verdict_kept(plan, plan.epoch.n, req_status, rid, num_computed_tokens, hit)):
-        return False
-    counters.stats["reused"] += 1
-    if wait_bound._enabled:  # what admit() tells the wait bound of a checked hit
-        wait_bound.hit_answered(cs, request, bool(answer[1]))
-    return True
 
 
 def admits_inline(method: Any) -> bool:
