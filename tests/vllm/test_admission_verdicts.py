@@ -41,6 +41,24 @@ GEOMETRY = Geometry(tokens_per_block=TPB, tokens_per_chunk=TPC, sliding_window=W
                     max_model_len=16384, vocab_size=32000)
 
 
+#: the check a lookup answer is given to (set per test by :func:`check_path`)
+_CHECK: list[Any] = [admission.admit]
+
+
+@pytest.fixture(autouse=True, params=["admit", "admit_return"])
+def check_path(request):
+    """Both ways an answer reaches the check: ``admit`` (the wrapped fallback, the replay's
+    driven hits: a kept verdict tested in ``check_hit``) and ``admit_return`` (what vLLM's
+    rewritten lookup calls: a kept verdict tested inline, before any other call)."""
+    _CHECK[0] = getattr(admission, request.param)
+    yield request.param
+    _CHECK[0] = admission.admit
+
+
+def _check(cs: Any, request: Any, num_computed_tokens: int, answer: tuple) -> Any:
+    return _CHECK[0](cs, request, num_computed_tokens, answer)
+
+
 @pytest.fixture(autouse=True)
 def every_chunk_read(monkeypatch):
     """Every chunk of a load set read; the guard uninstalled after each test."""
@@ -73,8 +91,8 @@ def _kept_verdict(engine: Any) -> tuple[Any, Any, tuple, list]:
     status = offload_status(cs, request)
     admission.reset()
     answer = (CHUNKS * TPC, True)
-    assert admission.admit(cs, request, 0, answer) is answer
-    assert admission.admit(cs, request, 0, answer) is answer
+    assert _check(cs, request, 0, answer) is answer
+    assert _check(cs, request, 0, answer) is answer
     stats = admission.snapshot()
     assert (stats["evaluated"], stats["reused"], stats["violations"]) == (1, 1, 0), stats
     plan = offload_plan.get_plan(cs)
@@ -90,7 +108,7 @@ def _policy_get(cs: Any) -> Any:
 
 def _rechecked_and_cut(cs: Any, request: Any, answer: tuple) -> None:
     before = admission.snapshot()
-    reduced = admission.admit(cs, request, 0, answer)
+    reduced = _check(cs, request, 0, answer)
     after = admission.snapshot()
     assert after["evaluated"] == before["evaluated"] + 1, (before, after)  # read the tier again
     assert after["reused"] == before["reused"]
@@ -144,7 +162,7 @@ def test_a_failed_store_cannot_take_a_ready_chunk(engine):
         cs.manager.complete_store([keys[0]], status.req_context, success=False)
     entry = _policy_get(cs)(keys[0])
     assert entry is not None and entry.is_ready
-    assert admission.admit(cs, request, 0, answer) is answer
+    assert _check(cs, request, 0, answer) is answer
     assert admission.snapshot()["violations"] == 0
 
 
@@ -152,6 +170,6 @@ def test_a_different_question_is_checked_again(engine):
     """A verdict is kept for one ``(num_computed_tokens, hit)``: another hit reads the tier."""
     cs, request, answer, _ = _kept_verdict(engine)
     shorter = (answer[0] - TPC, answer[1])
-    admission.admit(cs, request, 0, shorter)
+    _check(cs, request, 0, shorter)
     stats = admission.snapshot()
     assert (stats["evaluated"], stats["reused"]) == (2, 1), stats

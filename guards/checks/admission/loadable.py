@@ -151,7 +151,9 @@ def verdict_kept(plan: offload_plan.Plan, epoch_now: int, req_status: Any, reque
     """Whether the plan keeps a passing verdict for this very question: the same request
     status object, local tokens and hit (tokens), asked at removal epoch ``epoch_now``
     (:mod:`kvguard.guards.checks.tier_removals`: nothing the check read can have left the
-    tier since)."""
+    tier since). :func:`kvguard.guards.checks.admission.lookup.admit_return` writes the same
+    test inline for the repeated lookup (a call there costs more than the test, cold);
+    ``tests/vllm/test_admission_verdicts.py`` proves both paths on every full release."""
     kept = plan.verdicts.get(request_id)
     return (kept is not None and kept[0] == epoch_now and kept[1] is req_status
             and kept[2] == num_computed_tokens and kept[3] == hit)
