@@ -138,6 +138,8 @@ bench:
 	@echo "== (1) the scheduler-only replay, vLLM 0.33.0, default traffic and --agents 160 =="
 	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa admission code wrappers all
 	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa all --agents 160 --reps 4
+	@echo "== the hooking's own floor: every kvguard entry point emptied (--checks empty) =="
+	.venvs/vllm-0.33.0/bin/python bench/step_toggle.py --part aa all --checks empty --reps 3
 	@echo "== (2) how the cost grows with the traffic =="
 	.venvs/vllm-0.33.0/bin/python bench/growth.py --out build/bench/growth.json
 	.venvs/light/bin/python bench/plot_growth.py build/bench/growth.json --png docs/img/bench-growth.png --table docs/growth.md

@@ -1,7 +1,7 @@
 """Step-time cost of kvguard's parts, switched on and off step by step in one process.
 
     .venvs/vllm-0.33.0/bin/python bench/step_toggle.py [--part aa admission code all]
-        [--admission full|call-only] [--gc freeze|plain] [--reps 5] [--agents 40] [--turns 6] [--json]
+        [--admission full|call-only] [--checks full|empty] [--gc freeze|plain] [--reps 5] [--agents 40] [--turns 6] [--json]
 
 The lockstep bench (``bench/replay_overhead.py``) compares two processes; its A/A control
 still moves by a few percent on this shared host (0.974 on 2 Dec 2026). This one keeps
@@ -46,7 +46,9 @@ microseconds (the growth figure of ``bench/growth.py``). Read it with its own ``
 ``--agents 160`` that row reads 0.983 (4 Dec 2026, the cause not found), at the default
 traffic 1.001. ``--admission call-only``
 makes :func:`~kvguard.guards.checks.admission.admit_return` return vLLM's answer at once (what
-the call from vLLM's code costs alone). The bench needs the admission check in vLLM's
+the call from vLLM's code costs alone); ``--checks empty`` does that to every entry point
+vLLM's code calls in a step (:func:`empty_entry_points`): what ``all`` adds then is the
+hooking's own cost, the floor of checking from inside vLLM's Python. The bench needs the admission check in vLLM's
 code (the ``admission_return`` rewrite) and a lookup with no other site; it says so and
 exits 1 otherwise. ``--gc``: after the warm-up the start-up heap is frozen as vLLM's
 EngineCore freezes its own (``freeze``, the default since 3 Dec 2026; ``plain`` leaves it:
@@ -268,11 +270,49 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def empty_entry_points() -> None:
+    """Make every kvguard entry point that vLLM's code calls in a step return at once, for
+    the rest of the process (``--checks empty``): the lookup's ``admit_return`` returns vLLM's
+    answer, the window site's ``check`` and the store site's ``check_store`` return None (no
+    exception to raise: on the bench trace no check fails), ``block_exclusive``'s wrapper
+    and the wait bound's ``observe_step`` call through. What ``all`` still adds then is the
+    hooking's own cost: the calls from the rewritten code (with their ``locals()``), the
+    ``wrapt`` wrapper, the per-step hook's test, the removal counting. Their code objects
+    are replaced (``__code__``), so every reference, the names injected into vLLM's modules
+    included, runs the empty body."""
+    from kvguard.guards.checks import admission, asserts, wait_bound
+    from kvguard.guards.checks.admission import exclusive
+
+    def admit_return(cs, request, num_computed_tokens, answer):
+        return answer
+
+    def check(site_id, ok, context=None, msg=None):
+        return None
+
+    def check_store(site_id, spec, context):
+        return None
+
+    def exclusive_wrapper(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    def observe_step(cs, scheduler_output, frame):
+        return None
+
+    admission.admit_return.__code__ = admit_return.__code__
+    asserts.check.__code__ = check.__code__
+    asserts.check_store.__code__ = check_store.__code__
+    exclusive.exclusive_wrapper.__code__ = exclusive_wrapper.__code__
+    wait_bound.observe_step.__code__ = observe_step.__code__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", nargs="+", choices=list(Toggler.PARTS), default=["all"],
                         help="the parts to switch, in turn within each repetition")
     parser.add_argument("--admission", choices=["full", "call-only"], default="full")
+    parser.add_argument("--checks", choices=["full", "empty"], default="full",
+                        help="empty: every kvguard entry point vLLM's code calls returns at once "
+                             "(the hooking's own cost, see empty_entry_points)")
     parser.add_argument("--gc", choices=["freeze", "plain"], default="freeze",
                         help="freeze the start-up heap after the warm-up, as EngineCore does (default), or not")
     parser.add_argument("--reps", type=int, default=5)
@@ -296,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             return answer
 
         admission.admit_return.__code__ = _call_only.__code__
+    if args.checks == "empty":
+        empty_entry_points()
     try:
         toggler = Toggler()
     except RuntimeError as error:
@@ -317,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "vllm_version": harness.vllm_version(),
         "admission": args.admission,
+        "checks": args.checks,
         "gc": args.gc,
         "reps": args.reps,
         "agents": args.agents,
