@@ -56,6 +56,9 @@ LAB_DIRS = (LAB_DIR + os.sep,)
 #: (:mod:`kvguard.lab.fuzz.plant`) is what a bug in ``asserts.check`` would raise, so its
 #: frame counts as the guard's (a kvguard bug), never as the lab's own failure.
 PLANT_FILE = os.path.join(LAB_DIR, "fuzz", "plant.py")
+#: kvguard's own code, never a vLLM frame: the guards, the lab, and in a checkout its tests
+#: (``tests/vllm/`` has ``/vllm/`` in its path)
+OWN_DIRS = tuple(d + os.sep for d in (KVGUARD_DIR, LAB_DIR, os.path.join(os.path.dirname(KVGUARD_DIR), "tests")))
 
 
 def in_lab(filename: str) -> bool:
@@ -78,9 +81,16 @@ class Frame:
 
     @property
     def vllm_path(self) -> str | None:
-        """Path relative to the ``vllm`` package (``vllm/...``), or None outside vLLM."""
+        """Path relative to the ``vllm`` package (``vllm/...``), or None outside vLLM: a file
+        with a ``/vllm/`` directory in its path that is not kvguard's own
+        (:data:`OWN_DIRS`; its ``tests/vllm/`` helpers would otherwise pass). Not by the name
+        of a checkout: a clone named ``kvguard`` keeps its environments, vLLM included,
+        under ``kvguard/.venvs/`` (before, any path with ``/kvguard`` in it was "outside
+        vLLM", and every death in such a clone was named ``... outside vllm``)."""
+        if os.path.abspath(self.filename).startswith(OWN_DIRS):
+            return None
         path = self.filename.replace("\\", "/")
-        if "/vllm/" not in path or "/kvguard" in path:
+        if "/vllm/" not in path:
             return None
         return path[path.rindex("/vllm/") + 1 :]
 

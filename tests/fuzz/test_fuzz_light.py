@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hseed
@@ -115,6 +116,18 @@ def test_death_class_drops_line_numbers_and_names_the_caller():
     moved = [dataclasses.replace(f, lineno=f.lineno + 7) for f in frames]
     assert classes.death_class("AssertionError", moved)[0] == name  # a patch release moves lines
     assert classes.death_class("KeyError", frames)[0] != name
+
+
+def test_a_checkout_named_kvguard_still_names_vllm_frames():
+    """A clone named ``kvguard`` keeps vLLM under ``kvguard/.venvs/``: its frames are vLLM's
+    (the fresh-clone rehearsal of 4 Dec named every death ``... outside vllm`` there); the
+    checkout's own ``tests/vllm/`` helpers are not."""
+    sched = "/tmp/ci/kvguard/.venvs/vllm-0.21.0/lib/python3.11/site-packages/vllm/v1/kv_offload/base.py"
+    name, kv = classes.death_class("AssertionError", [Frame(sched, "GPULoadStoreSpec.__init__", 267)])
+    assert name == "AssertionError in vllm/v1/kv_offload/base.py:GPULoadStoreSpec.__init__" and kv is False
+    own = os.path.join(os.path.dirname(classes.KVGUARD_DIR), "tests", "vllm", "guardtools_vllm.py")
+    assert Frame(own, "plant_in_cpu_tier", 1).vllm_path is None
+    assert classes.death_class("KeyError", [Frame(own, "plant_in_cpu_tier", 1)])[0] == "KeyError outside vllm"
 
 
 def test_death_in_kvguard_code_is_a_kvguard_class():
