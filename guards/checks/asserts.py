@@ -311,10 +311,11 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
     pending = _pending_blocks(site, context)
     # vLLM's own bound (an eval of its expression) is read where it decides something:
     # Mamba's exact limit, and the event of a failure; a passing SWA check never reads it
-    vllm_bound = _vllm_window_bound(site, context) if kind == "mamba" else None
+    vllm_bound = None
     if kind == "mamba":
         # Mamba depends on a single state: never loosened (exactly vLLM's limit).
         check_name = names.CHECK_MAMBA_STATE_LIMIT
+        vllm_bound = _vllm_window_bound(site, context)
         exact = vllm_bound if vllm_bound is not None else pending
         exact_ok = ok
     else:
