@@ -1,6 +1,6 @@
 """Where kvguard's time goes inside a replay: each entry point timed in place (issue 31).
 
-    .venvs/vllm-0.33.0/bin/python bench/in_place_cost.py [--agents 40] [--turns 6]
+    .venvs/vllm-0.33.0/bin/python bench/in_place_cost.py [--agents 40] [--turns 6] [--checks full|empty]
 
 A warm loop (the same call repeated) shows a check at a fraction of what a step pays: in
 an engine step each check runs once, after vLLM's own work has pushed kvguard's code and
@@ -13,7 +13,10 @@ methods, timed without the policy's own method) with a ``time.perf_counter_ns`` 
 replays the bench trace once more. Printed per entry point: calls, mean microseconds per
 call, microseconds per step; and the timer's own cost per call (an empty function through
 the same wrapper). Wall time around code that runs on one thread without I/O; the timer's
-own cost (about 0.13 us) is in each figure. A measurement, not a test.
+own cost (about 0.13 us) is in each figure. ``--checks empty`` empties every entry point
+first (``step_toggle.empty_entry_points``): what is left per entry point is the hooking's own
+cost, and full minus empty is the checks' own work (issue 31's decomposition). A
+measurement, not a test.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--checks", choices=["full", "empty"], default="full",
+                        help="empty: every entry point returns at once (the hooking's own cost)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -93,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gc.collect()
     gc.freeze()
+    if args.checks == "empty":
+        from step_toggle import empty_entry_points
+
+        empty_entry_points()
     state = OffloadGuardInstrumentor()._state
     for module in state.injected:
         for name in (rewrite.GLOBAL_CHECK, rewrite.GLOBAL_CHECK_STORE, rewrite.GLOBAL_ADMIT_RETURN):
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     empty = timed("(timer, empty call)", lambda: None)
     for _ in range(1000):
         empty()
-    print(f"vLLM {harness.vllm_version()}, {args.agents} agents x {args.turns} turns: {steps} steps, mean step "
+    print(f"vLLM {harness.vllm_version()}, {args.agents} agents x {args.turns} turns, checks {args.checks}: "
+          f"{steps} steps, mean step "
           f"{1e6 * sum(result.step_cpu_s) / steps:.1f} us CPU, requests scheduled per step "
           f"{sum(result.step_requests) / steps:.1f}")
     print(f"  {'entry point':<58} {'calls':>7} {'us/call':>8} {'us/step':>8}")
