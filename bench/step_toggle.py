@@ -1,7 +1,7 @@
 """Step-time cost of kvguard's parts, switched on and off step by step in one process.
 
     .venvs/vllm-0.33.0/bin/python bench/step_toggle.py [--part aa admission code all]
-        [--admission full|call-only] [--checks full|empty] [--gc freeze|plain] [--reps 5] [--agents 40] [--turns 6] [--json]
+        [--admission full|call-only] [--checks full|empty] [--gc freeze|plain] [--full-gc exclude|include] [--reps 5] [--agents 40] [--turns 6] [--json]
 
 The lockstep bench (``bench/replay_overhead.py``) compares two processes; its A/A control
 still moves by a few percent on this shared host (0.974 on 2 Dec 2026). This one keeps
@@ -53,6 +53,14 @@ code (the ``admission_return`` rewrite) and a lookup with no other site; it says
 exits 1 otherwise. ``--gc``: after the warm-up the start-up heap is frozen as vLLM's
 EngineCore freezes its own (``freeze``, the default since 3 Dec 2026; ``plain`` leaves it:
 the earlier figures were taken so, and a full collection then lands on one step).
+``--full-gc``: even with the heap frozen, one automatic full (generation-2) collection lands
+on one step of each replay (a scan of every object the replay keeps alive: 40-210 ms CPU on the
+bench trace, against a sum of about 1.3 s), on whichever half of the pair that step belongs
+to; it was the first pair's `aa` sum ratio of 0.92 (4 Dec 2026, traced with ``gc.callbacks``:
+the first replay after the warm-up collects on an odd step, the second on an even one, both
+then in the "off" half). ``exclude`` (the default since 4 Dec 2026 evening) takes each step's
+full-collection time out of it (``ReplayResult.step_full_gc_s``) and prints the time taken
+out per half; ``include`` keeps it (the earlier figures).
 A measurement, not a test: exit 0 unless a replay failed. :class:`Toggler` is also what
 ``bench/growth.py`` measures with.
 """
@@ -148,6 +156,10 @@ class Toggler:
             recorders.append(self_)
 
         harness._HitRecorder.__init__ = capture
+        #: "exclude": each step's time less its full collections' (``--full-gc``, module doc)
+        self.full_gc = "exclude"
+        #: the last pair's full collections, CPU ms inside on and off steps
+        self.last_full_gc_ms = (0.0, 0.0)
         self.removals: list = [None, 0]  # the current replay's policy counting (once watched), recorders before it
         self.instance_wraps: list = [None, 0]  # the current replay's per-scheduler wrappers, recorders before it
 
@@ -215,6 +227,12 @@ class Toggler:
         a, b = ra.step_cpu_s, rb.step_cpu_s
         if len(a) != len(b):
             raise RuntimeError("the two replays scheduled different steps")
+        ga, gb = ra.step_full_gc_s, rb.step_full_gc_s
+        self.last_full_gc_ms = (1e3 * sum(ga[i] if i % 2 == 0 else gb[i] for i in range(len(a))),
+                                1e3 * sum(gb[i] if i % 2 == 0 else ga[i] for i in range(len(a))))
+        if self.full_gc == "exclude":
+            a = [c - g for c, g in zip(a, ga)]
+            b = [c - g for c, g in zip(b, gb)]
         on = [a[i] if i % 2 == 0 else b[i] for i in range(len(a))]
         off = [b[i] if i % 2 == 0 else a[i] for i in range(len(a))]
         return on, off, [ra, rb]
@@ -315,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(the hooking's own cost, see empty_entry_points)")
     parser.add_argument("--gc", choices=["freeze", "plain"], default="freeze",
                         help="freeze the start-up heap after the warm-up, as EngineCore does (default), or not")
+    parser.add_argument("--full-gc", choices=["exclude", "include"], default="exclude",
+                        help="exclude (default): each step's time less its full collections' "
+                             "(printed per pair); include: as measured")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--agents", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
@@ -343,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         print(f"{error}: nothing this bench can switch", file=sys.stderr)
         return 1
+    toggler.full_gc = args.full_gc
     per_rep: dict[str, list[tuple[list[float], list[float]]]] = {part: [] for part in args.part}
     try:
         for rep in range(args.reps):
@@ -352,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                 f = figures([(on, off)])
                 print(f"rep {rep + 1}/{args.reps} {part}: " + ", ".join(
                     f"{k} {f[k]:.4f}" for k in ("median_step_ratio", "median_per_step_ratio", "sum_ratio",
-                                                "median_step_ms_off")), file=sys.stderr)
+                                                "median_step_ms_off"))
+                    + ", full collections in on/off steps {:.1f}/{:.1f} ms ({})".format(
+                        *toggler.last_full_gc_ms, "excluded" if args.full_gc == "exclude" else "included"),
+                    file=sys.stderr)
     except RuntimeError as error:
         print(f"replay failed: {error}", file=sys.stderr)
         return 1
@@ -361,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         "admission": args.admission,
         "checks": args.checks,
         "gc": args.gc,
+        "full_gc": args.full_gc,
         "reps": args.reps,
         "agents": args.agents,
         "turns": args.turns,
@@ -371,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print(f"kvguard replay step toggle on vLLM {out['vllm_version']} ({args.agents} agents x {args.turns} turns, "
-          f"{out['steps']} steps; admission {args.admission}, gc {args.gc}, {args.reps} reps; read each part against aa):")
+          f"{out['steps']} steps; admission {args.admission}, gc {args.gc}, full collections {args.full_gc}d, "
+          f"{args.reps} reps; read each part against aa):")
     for part, f in out["parts"].items():
         print(f"  {part:<10} median step on/off {f['median_step_ratio']:.4f}, median per-step ratio "
               f"{f['median_per_step_ratio']:.4f}, sum on/off {f['sum_ratio']:.4f}, sum of per-step minima "

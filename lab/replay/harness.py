@@ -47,6 +47,7 @@ update, every step).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import sys
@@ -111,6 +112,12 @@ class ReplayResult:
     #: the same intervals in this thread's CPU time (``time.thread_time``): what a step
     #: cost the engine's thread, without the time other processes held the core
     step_cpu_s: list[float] = field(default_factory=list)
+    #: per step, the part of ``step_cpu_s`` spent in full (generation-2) garbage collections,
+    #: CPU seconds; recorded when ``run_replay`` is given ``before_step`` (the benches), else
+    #: 0.0. One such collection lands on one step per replay and costs 40-210 ms on the bench
+    #: trace (a scan of every object the replay keeps alive): a single step that moves a sum of
+    #: ~1.3 s by several percent, on whichever half of a bench pair it falls
+    step_full_gc_s: list[float] = field(default_factory=list)
     #: per step, the requests ``schedule()`` scheduled (running requests; the bench's growth axis)
     step_requests: list[int] = field(default_factory=list)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -537,21 +544,27 @@ class _Replay:
         placeholders = self.queue.before_schedule(scheduler)
         if before_step is not None:
             before_step()
+        full_gc = _FULL_GC
+        g0 = full_gc[0]
         c0 = time.thread_time()
         t0 = time.perf_counter()
         sched_out = scheduler.schedule()
         t1 = time.perf_counter()
         c1 = time.thread_time()
+        g1 = full_gc[0]
         self.queue.after_schedule(sched_out, placeholders)
         model_out = self.engine.worker.execute(sched_out)
+        g2 = full_gc[0]
         c2 = time.thread_time()
         t2 = time.perf_counter()
         for done_out in self.queue.push(sched_out, model_out, scheduler.has_requests()):
             scheduler.update_from_output(*done_out)
         t3 = time.perf_counter()
         c3 = time.thread_time()
+        g3 = full_gc[0]
         result.step_times_s.append((t1 - t0) + (t3 - t2))
         result.step_cpu_s.append((c1 - c0) + (c3 - c2))
+        result.step_full_gc_s.append((g1 - g0) + (g3 - g2))
         result.step_requests.append(len(getattr(sched_out, "num_scheduled_tokens", None) or ()))
         result.steps = step + 1
         for rid in getattr(sched_out, "preempted_req_ids", None) or ():
@@ -616,6 +629,23 @@ class _Replay:
                 progress(self.result.finished, len(self.trace.requests), self.result.steps)
 
 
+#: CPU seconds spent in full (generation-2) collections while :func:`_on_full_gc` is a
+#: ``gc`` callback, and the start of the one under way (None between collections)
+_FULL_GC: list[Any] = [0.0, None]
+
+
+def _on_full_gc(phase: str, info: dict[str, Any]) -> None:
+    """``gc.callbacks`` entry of a replay given ``before_step``: adds each full collection's
+    CPU time to ``_FULL_GC[0]`` (``ReplayResult.step_full_gc_s``)."""
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _FULL_GC[1] = time.thread_time()
+    elif _FULL_GC[1] is not None:
+        _FULL_GC[0] += time.thread_time() - _FULL_GC[1]
+        _FULL_GC[1] = None
+
+
 def run_replay(
     trace: Trace,
     *,
@@ -631,7 +661,8 @@ def run_replay(
     plugin is disabled with ``KVGUARD_DISABLE=1`` so vLLM's own assertions decide).
     ``progress(finished, submitted_total, steps)`` is called every few steps;
     ``before_step()`` right before each timed step (``bench/replay_overhead.py`` runs two
-    replays in lockstep through it).
+    replays in lockstep through it); with it, the time of full collections inside each
+    step is recorded too (``ReplayResult.step_full_gc_s``).
     Exceptions escaping the scheduler end the replay with ``engine_survived`` False; the
     lab's own failure ends it with ``harness_error`` set (:func:`harness_error_of`).
     """
@@ -671,7 +702,13 @@ def run_replay(
         recorder = _HitRecorder(engine.connector_scheduler, result)
         watch = StallWatch(engine.connector_scheduler)
         replay = _Replay(trace, engine, result, recorder, watch)
-        replay.run(progress, before_step)
+        if before_step is not None:
+            gc.callbacks.append(_on_full_gc)
+        try:
+            replay.run(progress, before_step)
+        finally:
+            if _on_full_gc in gc.callbacks:
+                gc.callbacks.remove(_on_full_gc)
     except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
         result.stalled = True
         result.stalls = watch.findings(result.steps, replay.live, engine.worker, hang.jobs,
