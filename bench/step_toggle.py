@@ -228,14 +228,20 @@ class Toggler:
         if len(a) != len(b):
             raise RuntimeError("the two replays scheduled different steps")
         ga, gb = ra.step_full_gc_s, rb.step_full_gc_s
-        self.last_full_gc_ms = (1e3 * sum(ga[i] if i % 2 == 0 else gb[i] for i in range(len(a))),
-                                1e3 * sum(gb[i] if i % 2 == 0 else ga[i] for i in range(len(a))))
+        self.last_full_gc_ms = tuple(1e3 * sum(half) for half in _halves(ga, gb))
         if self.full_gc == "exclude":
             a = [c - g for c, g in zip(a, ga)]
             b = [c - g for c, g in zip(b, gb)]
-        on = [a[i] if i % 2 == 0 else b[i] for i in range(len(a))]
-        off = [b[i] if i % 2 == 0 else a[i] for i in range(len(a))]
+        on, off = _halves(a, b)
         return on, off, [ra, rb]
+
+
+def _halves(even_on: list[float], odd_on: list[float]) -> tuple[list[float], list[float]]:
+    """``(on, off)`` per step from the two replays of a pair: ``even_on`` had the part on for
+    even steps, ``odd_on`` for odd ones."""
+    on = [even_on[i] if i % 2 == 0 else odd_on[i] for i in range(len(even_on))]
+    off = [odd_on[i] if i % 2 == 0 else even_on[i] for i in range(len(even_on))]
+    return on, off
 
 
 def figures(reps: list[tuple[list[float], list[float]]]) -> dict[str, float]:
