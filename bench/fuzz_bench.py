@@ -1,7 +1,7 @@
 """kvguard's reliability figure on every full release (issues 10 and 22): one table.
 
     python bench/fuzz_bench.py --versions 0.21.0 ... 0.34.0 [--examples 2000] [--seeds 0 1 2] [--jobs 2]
-                               [--guarded-only] [--json]
+                               [--connector both] [--guarded-only] [--json]
 
 For each vLLM release it runs, in that release's environment (``.venvs/vllm-<v>``, built by
 ``scripts/env.sh vllm-<v>``; ``make fuzz`` builds them):
@@ -10,7 +10,14 @@ For each vLLM release it runs, in that release's environment (``.venvs/vllm-<v>`
   search; layouts, ``extra_retained_tokens``, the worker model and tiering drawn where the
   release has them): the classes it finds, by kind (deaths, stalls, wrong KV);
 - with the guard: ``kvguard fuzz --guard`` on the same examples: kvguard-caused deaths,
-  requests lost, wrong-KV blocks, kvguard bugs (goal 0, 0, 0, 0), and what kvguard did.
+  requests lost, wrong-KV blocks, kvguard bugs (goal 0, 0, 0, 0), and what kvguard did;
+  every example where kvguard acted is replayed without the guard too (the differential
+  fuzz, ``lab/fuzz/differential.py``): how many ended better, the same, no better and
+  worse than vLLM alone (goal: 0 worse, a kvguard bug), and the hits cut where vLLM alone
+  served every request (the price of acting early).
+
+``--connector`` is each run's ``kvguard fuzz --connector`` (default ``both``: the
+OffloadingConnector or the SimpleCPUOffloadConnector drawn per example).
 
 ``--examples`` fixes the budget, so the figures are reproducible for a seed and release;
 ``--seeds`` runs every release once per seed (one row each: a "never" is claimed over
@@ -35,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GOALS = ("kvguard_deaths", "requests_lost", "wrong_kv_blocks", "kvguard_bugs")
 
 
-def run(version: str, guard: bool, examples: int, seed: int, out: Path) -> dict:
+def run(version: str, guard: bool, examples: int, seed: int, out: Path, connector: str = "both") -> dict:
     """One ``kvguard fuzz`` on ``version``; its ``--json`` report (or an ``error`` entry)."""
     exe = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "kvguard"
     if not exe.exists():
@@ -43,7 +50,7 @@ def run(version: str, guard: bool, examples: int, seed: int, out: Path) -> dict:
     mode = "guard" if guard else "no-guard"
     proc = subprocess.run(
         [str(exe), "fuzz", f"--{mode}", "--examples", str(examples), "--seed", str(seed),
-         "--shrink-replays", "20", "--out", str(out / version / mode), "--json"],
+         "--connector", connector, "--shrink-replays", "20", "--out", str(out / version / mode), "--json"],
         capture_output=True, text=True,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -63,12 +70,31 @@ def _kinds(report: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(by_kind.items())) or "none"
 
 
+def _verdicts(report: dict) -> str:
+    diff = report.get("differential") or {}
+    if not diff.get("enabled"):
+        return "not compared"
+    v = diff["verdicts"]
+    return f"{report.get('acted_examples', 0)}: {v['better']} / {v['same']} / {v['no_better']} / {v['worse']}"
+
+
+def _price(report: dict) -> str:
+    price = (report.get("differential") or {}).get("price") or {}
+    return ", ".join(f"{k} {n}" for k, n in sorted(price.items())) or "none"
+
+
+def worse(report: dict) -> int:
+    """Examples the guard made worse than vLLM alone (the differential fuzz; 0 when not compared)."""
+    return int(((report.get("differential") or {}).get("verdicts") or {}).get("worse", 0))
+
+
 def table(pairs: list[tuple[dict, dict]]) -> list[str]:
     """The Markdown table: one row per release and seed (unguarded search, guarded figures)."""
     rows = [
         "| vLLM | seed | examples | steps | requests | vLLM alone: classes (wrong-KV blocks, deaths, lost) "
-        "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs | failed requests (ended with an error) |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| guarded: kvguard deaths | lost requests | wrong-KV blocks | kvguard bugs | failed requests (ended with an error) "
+        "| kvguard acted: better / same / no better / worse than vLLM alone | hits cut where vLLM alone served all (by check) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for plain, guarded in pairs:
         if "error" in plain or "error" in guarded:
@@ -81,7 +107,8 @@ def table(pairs: list[tuple[dict, dict]]) -> list[str]:
             f"| {guarded['vllm_version']} | {guarded['seed']} | {guarded['examples']} | {guarded['steps']} "
             f"| {guarded['requests']} | {alone} "
             f"| {guarded['kvguard_deaths']} | {guarded['requests_lost']} | {guarded['wrong_kv_blocks']} "
-            f"| {guarded['kvguard_bugs']} | {guarded.get('requests_failed', 0)} |"
+            f"| {guarded['kvguard_bugs']} | {guarded.get('requests_failed', 0)} | {_verdicts(guarded)} "
+            f"| {_price(guarded)} |"
         )
     return rows
 
@@ -93,6 +120,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="Hypothesis seeds: one run each")
     ap.add_argument("--guarded-only", action="store_true", help="skip the unguarded search")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--connector", default="both",
+                    choices=["OffloadingConnector", "SimpleCPUOffloadConnector", "both"],
+                    help="kvguard fuzz --connector of every run (both: drawn per example)")
     ap.add_argument("--out", default=None, help="directory for the minimal traces (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
@@ -103,7 +133,7 @@ def main() -> int:
 
     def one(vsg: tuple[str, int, bool]) -> dict:
         v, s, g = vsg
-        return run(v, g, args.examples, s, out / f"seed-{s}")
+        return run(v, g, args.examples, s, out / f"seed-{s}", args.connector)
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         done = list(pool.map(one, work))
@@ -111,7 +141,8 @@ def main() -> int:
         pairs = [({"vllm_version": v, "seed": s, "skipped": True}, g) for (v, s), g in zip(runs, done)]
     else:
         pairs = [(done[2 * i], done[2 * i + 1]) for i in range(len(runs))]
-    ok = all("error" not in p and "error" not in g and not any(g[k] for k in GOALS) for p, g in pairs)
+    ok = all("error" not in p and "error" not in g and not any(g[k] for k in GOALS) and not worse(g)
+             for p, g in pairs)
     lines = [f"kvguard fuzz bench: seeds {' '.join(map(str, args.seeds))}, {args.examples} examples per release, "
              f"seed and mode; traces under {out}", *table(pairs)]
     for plain, guarded in pairs:

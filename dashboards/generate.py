@@ -220,6 +220,7 @@ def build_dashboard() -> dict[str, Any]:
         "Degrade actions and recomputed tokens",
         "What each failed invariant cost under policy guard (issue 9), cheapest first: hit_reduced "
         "(latency: the hit was cut at admission and vLLM recomputed the tokens on the right axis), "
+        "recomputed (a prefill: the wait bound sent a parked request back to be computed from scratch), "
         "store_dropped (one store), request_failed (one request), raised (the engine).",
         [_target(f"sum by (action) (increase(kvguard_invariant_violations_total{{{KV}}}{RI}))",
                  "{{action}}", "A"),

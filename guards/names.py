@@ -212,6 +212,11 @@ CHECKS = CHECKS + (CHECK_LOAD_COVERAGE,)
 #: The hit was reduced to the longest shorter hit whose load set is loadable (or 0).
 ACTION_HIT_REDUCED = "hit_reduced"
 ACTIONS = ACTIONS + (ACTION_HIT_REDUCED,)
+#: A parked request whose load was reported but never promoted was sent back to be
+#: computed from scratch through vLLM's failed-receive path (the wait bound,
+#: guards/policy/recompute.py): a prefill instead of the request.
+ACTION_RECOMPUTED = "recomputed"
+ACTIONS = ACTIONS + (ACTION_RECOMPUTED,)
 #: An exception in, or a release that cannot be checked by, the admission check.
 STAGE_ADMISSION = "admission"
 STAGES = STAGES + (STAGE_ADMISSION,)
@@ -225,18 +230,6 @@ KEY_RECOMPUTED_TOKENS = "recomputed_tokens"
 KEY_MISSING_CHUNKS = "missing_chunks"
 KEY_FIRST_MISSING = "first_missing"
 
-# --- promotion fit of a deferred tiered hit (a fuzz finding; kvguard.guards.checks.admission) ---
-#: A hit vLLM's lookup defers for (``None``, "retry later") under vLLM's tiering manager
-#: must have a load set that fits in the primary (CPU) tier: every chunk of it must be
-#: ready there at once for the lookup to answer it.
-CHECK_PROMOTION_FIT = "promotion_fit"
-CHECKS = CHECKS + (CHECK_PROMOTION_FIT,)
-# --- promotion progress of a deferred tiered hit (a fuzz finding; kvguard.guards.checks.admission) ---
-#: A chunk of the hit a deferred lookup waits for that was ready (HIT) at the request's
-#: previous deferred lookup must still be ready: a wait that evicts what it waits for
-#: need not end (0.33.0's request-ranked LRU; vllm#49902 / PR #50014 pin promoted chunks).
-CHECK_PROMOTION_PROGRESS = "promotion_progress"
-CHECKS = CHECKS + (CHECK_PROMOTION_PROGRESS,)
 # --- store coverage of an offload store (kvguard.guards.checks.store_coverage) -------
 #: Every GPU block of a chunk a store publishes is copied into that chunk's place, except
 #: blocks the request's KV cache manager skipped (below its window): else the chunk is
@@ -285,13 +278,7 @@ ACTION_FREE_SPLIT = "free_split"
 ACTIONS = ACTIONS + (ACTION_FREE_SPLIT,)
 KEY_DUPLICATED_BLOCKS = "duplicated_blocks"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
-RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_PROMOTION_PROGRESS,
-                                     CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)
-KEY_LOST_READY_CHUNKS = "lost_ready_chunks"
-KEY_FIRST_LOST = "first_lost"
-KEY_PRIMARY_CAPACITY_CHUNKS = "primary_capacity_chunks"
-KEY_NEEDED_CHUNKS = "needed_chunks"
-KEY_DEFERRED_HIT_TOKENS = "deferred_hit_tokens"
+RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)
 
 # --- the sidecar's state-dir problems (kvguard.sidecar.problems) --------
 #: ``kvguard_sidecar_errors_total{source,reason}`` and ``kvguard_sidecar_unreadable{source,reason}``.
@@ -392,7 +379,7 @@ SKIP_LEDGER_FULL = "ledger_full"
 SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CONNECTOR_CONFIG, SKIP_PARTIAL_TAIL,
                                  SKIP_STORE_PATH, SKIP_LEDGER_FULL)
 #: The checks that count ``kvguard_check_skipped_total`` (the admission checks of a lookup).
-SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_PROMOTION_FIT, CHECK_COPY_COVERAGE)
+SKIPPABLE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_COPY_COVERAGE)
 EVENT_CHECK_SKIPPED = "check_skipped"
 KEY_DETAIL = "detail"
 

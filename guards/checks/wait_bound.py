@@ -2,8 +2,9 @@
 
 A request that never finishes is a failure nobody sees: its client times out, its GPU
 blocks stay held, the engine looks healthy. The guard's other checks were each derived
-from one stall shape (``promotion_fit``, ``promotion_progress``); this one is the
-end-to-end invariant they serve: *a request the offload path keeps waiting makes
+from one stall shape (``promotion_fit``, ``promotion_progress``; retired once the
+differential fuzz showed this bound ending every stall they ended, with no needless cut:
+:mod:`kvguard.guards.checks.admission.deferred`); this one is the end-to-end invariant they served: *a request the offload path keeps waiting makes
 progress within a bound*, whatever the mechanism.
 
 The waits, read off vLLM's code (the same on every full release, 0.21.0-0.34.0)
@@ -72,10 +73,17 @@ What each policy does with a stalled wait
                 is ready in the CPU tier now (chunk aligned, a chunk another load reads
                 does not count, copy coverage holds), or 0: the rest is recomputed
                 (``action="hit_reduced"``). Safe for the same reasons as
-                ``promotion_fit``'s reduced answer (:mod:`kvguard.guards.checks.admission`).
-              - the other three: the connector cannot release them (a load in flight
-                still writes the request's blocks; a reported load waits for vLLM's
-                scan), so that request fails alone (``action="request_failed"``):
+                any reduced answer (:mod:`kvguard.guards.checks.admission.deferred`).
+              - ``load_not_promoted``: the load was reported, so nothing writes the
+                request's blocks any more: vLLM's own failed-receive path frees them and
+                sends the request back to ``WAITING``, to be computed from scratch
+                (``action="recomputed"``, :mod:`kvguard.guards.policy.recompute`: a prefill
+                instead of the request), on every release whose scheduler has that path
+                (bound by structure; 0.21.0-0.34.0 all have it). Where none is found the
+                request fails alone, as below.
+              - ``transfers_in_flight`` and ``load_in_flight``: the connector cannot
+                release them (a transfer in flight still reads or writes the request's
+                blocks), so that request fails alone (``action="request_failed"``):
                 vLLM's ``finish_requests(id, FINISHED_ERROR)`` at the next
                 ``update_from_output`` (:func:`kvguard.guards.policy.degrade.fail_waiting`),
                 the same path as a client's abort (blocks of a load still in flight are
@@ -101,7 +109,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.policy import degrade, runtime
+from kvguard.guards.policy import degrade, recompute, runtime
 
 __all__ = [
     "Wait",
@@ -418,8 +426,21 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
         wait.acted = True
         if policy == names.POLICY_OBSERVE:
             _count(wait, names.ACTION_CONTINUED, policy, None)
+        elif kind == names.WAIT_LOAD_NOT_PROMOTED and _recompute(scheduler, request):
+            del table.waits[rid]  # WAITING again, blocks freed: the wait ended
+            _count(wait, names.ACTION_RECOMPUTED, policy, None)
         elif degrade.fail_waiting(scheduler, cs, rid, message):
             _count(wait, names.ACTION_REQUEST_FAILED, policy, None)
+
+
+def _recompute(scheduler: Any, request: Any) -> bool:
+    """vLLM's failed-receive path for a reported load (:func:`kvguard.guards.policy.recompute.recompute_reported`);
+    False (the caller fails the request) where the release has none or it raised (counted)."""
+    try:
+        return recompute.recompute_reported(scheduler, request)
+    except Exception as error:
+        runtime.guard_error(names.STAGE_REQUEST_FAIL, error)
+        return False
 
 
 def _message(wait: Wait) -> str:

@@ -36,9 +36,7 @@
    :mod:`kvguard.guards.hooking.rewrite`, compiled with the function's other sites), or, where that
    rewrite does not apply, a ``wrapt`` wrap of the method; its ``__init__`` gets a wrap that
    pre-binds what each scheduler needs (``admission.attach``) (kill switch:
-   ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``;
-   ``admission:promotion_fit`` / ``admission:promotion_progress`` turn off only that check
-   of deferred tiered hits).
+   ``KVGUARD_DISABLED_SITES`` holding ``admission:load_coverage`` or ``*``).
 
 ``uninstall()`` puts back the very same code objects and class attributes, so vLLM is
 restored byte for byte (same function objects, same ``__code__``), removes the injected
@@ -371,10 +369,7 @@ class OffloadGuardInstrumentor:
         support = vllm_support(state.vllm_version)
         _report_unmeasured(state.vllm_version, support)
         self._state = state
-        admission.configure(
-            metrics=metrics, events=events, promotion_fit=not settings.site_disabled(PROMOTION_FIT_SITE_ID),
-            promotion_progress=not settings.site_disabled(PROMOTION_PROGRESS_SITE_ID),
-        )
+        admission.configure(metrics=metrics, events=events)
         wait_bound.configure(
             steps=settings.wait_bound_steps, seconds=settings.wait_bound_seconds,
             enabled=not settings.site_disabled(names.WAIT_BOUND_SITE_ID), metrics=metrics, events=events,
@@ -619,10 +614,6 @@ def _report_unmeasured(version: str, support: str) -> None:
 _NO_CODE = (lambda: None).__code__
 #: The kill-switch id of the admission check (not a discovered assert site).
 ADMISSION_SITE_ID = "admission:load_coverage"
-#: The kill-switch id of the admission wrapper's promotion-fit check (deferred tiered hits).
-PROMOTION_FIT_SITE_ID = "admission:promotion_fit"
-#: The kill-switch id of its promotion-progress check (a deferral that loses ready chunks).
-PROMOTION_PROGRESS_SITE_ID = "admission:promotion_progress"
 
 
 def _lookup_classes(module: types.ModuleType) -> list[str]:

@@ -24,6 +24,10 @@ A finding is one of (``kind``):
   ``check`` class) is counted in ``requests_failed``, never as lost: it ended, with an
   error its client sees. *Lost* is a request of a surviving engine that neither finished,
   failed nor was aborted (and its dependants never arrived because of it).
+- ``worse``: with the guard on, kvguard acted and the same example replayed without the
+  guard ended better for some request, or kept an engine alive the guarded run lost
+  (:mod:`kvguard.lab.fuzz.differential`): ``worse-than-vllm-alone after <checks>``, a
+  kvguard bug.
 - ``check``: with the guard on, a kvguard check failed and kvguard acted (tolerated,
   degraded, raised): ``check <check name>``. It names the vLLM bug class kvguard kept
   from killing the engine, so the guarded report says what kvguard did for it.
@@ -46,6 +50,9 @@ KIND_WRONG_KV = "wrong-kv"
 KIND_CHECK = "check"
 KIND_GUARD_ERROR = "guard-error"
 KIND_REQUEST_FAILED = "request-failed"
+#: guard on: the same example unguarded ended better for some request or kept the engine
+#: alive (:mod:`kvguard.lab.fuzz.differential`): always a kvguard bug
+KIND_WORSE = "worse"
 #: Directory of kvguard's guard code (the ``kvguard.guards`` package, editable or installed).
 KVGUARD_DIR = os.path.dirname(os.path.abspath(_guards.__file__))
 #: The lab (the replay harness and this fuzzer, the ``kvguard.lab`` package): a frame there is
@@ -211,6 +218,9 @@ class ExampleOutcome:
     harness_error: dict[str, str] | None = None
     #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
     checks_evaluated: int = 0
+    #: guard on, kvguard acted and the runner replayed the example unguarded too: the
+    #: comparison (:class:`kvguard.lab.fuzz.differential.Verdict`), else None
+    differential: Any = None
 
     @property
     def classes(self) -> set[str]:

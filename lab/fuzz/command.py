@@ -60,6 +60,13 @@ from kvguard.lab.replay.command import policy_option
     help="the kv_connector of every example (SimpleCPUOffloadConnector: what "
     "VLLM_USE_SIMPLE_KV_OFFLOAD=1 runs); both: drawn per example",
 )
+@click.option(
+    "--differential/--no-differential",
+    default=True,
+    show_default=True,
+    help="guard on: replay every example where kvguard acted without the guard too and "
+    "compare request by request; an example kvguard made worse is a kvguard bug",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -73,6 +80,7 @@ def fuzz(
     async_scheduling: bool,
     kv_layouts: bool,
     connector: str,
+    differential: bool,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -105,6 +113,7 @@ def fuzz(
         async_scheduling=async_scheduling,
         kv_layouts=kv_layouts,
         connector=connector,
+        differential=differential,
         progress=show,
     )
     show.done()

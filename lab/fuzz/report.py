@@ -29,6 +29,11 @@ class Progress:
             self.stream.write(f"  shrinking: {event['class']}\n")
             self.stream.flush()
             return
+        if event.get("phase") == "differential":
+            self.done()
+            self.stream.write(f"  differential: replaying {event['examples']} acted examples without the guard\n")
+            self.stream.flush()
+            return
         now = time.monotonic()
         if now - self._last < self.interval_s:
             return
@@ -71,6 +76,15 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"  HARNESS ERROR at example {lab['example']} (the lab, not vLLM or the guard): "
                      f"{lab['exception']}; expected {lab['expected']}. The run stopped: no example is a finding.")
         return "\n".join(lines)
+    diff = result.get("differential") or {}
+    if diff.get("enabled"):
+        v = diff["verdicts"]
+        price = ", ".join(f"{k} {n}" for k, n in sorted(diff["price"].items())) or "none"
+        lines.append(
+            f"  kvguard acted in {result.get('acted_examples', 0)} examples; against vLLM alone: "
+            f"better {v['better']}, same {v['same']}, no better {v['no_better']}, WORSE {v['worse']}; "
+            f"hits cut where vLLM alone served every request (price, by check): {price}"
+        )
     lay = result.get("layouts")
     if lay:
         groups = ", ".join(f"{n}: {c}" for n, c in sorted(lay["kv_cache_groups"].items()))

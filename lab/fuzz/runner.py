@@ -104,8 +104,8 @@ class _ActionTee:
 
 def _tee() -> _ActionTee:
     """Tee kvguard's two metrics sinks: the runtime's (assert sites, store drops, request
-    failures) and the admission check's (``load_coverage``, ``promotion_fit``,
-    ``promotion_progress``, configured apart by the instrumentor) and the wait bound's
+    failures) and the admission check's (``load_coverage``, ``copy_coverage``,
+    ``load_writes``, configured apart by the instrumentor) and the wait bound's
     (``wait_bound``), into one ``counts``."""
     from kvguard.guards.checks import admission, wait_bound
     from kvguard.guards.policy import runtime
@@ -167,12 +167,56 @@ def prepare(guard: bool, policy: str) -> None:
         harness.uninstall_guard()
 
 
-def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | None = None) -> tuple[ExampleOutcome, Any]:
+def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | None = None,
+                differential: bool = False) -> tuple[ExampleOutcome, Any]:
     """Replay ``trace`` once on a new engine; ``(outcome, ReplayResult or None)``.
 
     Never raises for what the engine does; a geometry vLLM rejects at build time is an
     outcome with ``invalid`` set (not a finding: vLLM refuses it at start-up).
+    ``differential`` (guard on): when kvguard acted, replay ``trace`` once more without the
+    guard and compare (:func:`differential_of`).
     """
+    from kvguard.lab.fuzz.differential import to_compare
+
+    outcome, result = _run_once(trace, guard=guard, policy=policy, plant=plant)
+    if differential and guard and result is not None and to_compare(outcome.actions):
+        differential_of(trace, outcome, result, policy)
+    return outcome, result
+
+
+def differential_of(trace: Trace, outcome: ExampleOutcome, guarded: Any, policy: str) -> Any:
+    """Replay ``trace`` unguarded and compare it with the guarded ``guarded`` result
+    (:func:`kvguard.lab.fuzz.differential.compare`); sets ``outcome.differential`` and, for a
+    ``worse`` verdict, adds the kvguard-bug finding. The guard is removed for that replay
+    and installed again with ``policy`` after it (:func:`prepare`). Returns the verdict."""
+    try:
+        prepare(False, policy)
+        _, unguarded = _run_once(trace, guard=False)
+    finally:
+        prepare(True, policy)
+    return judge(outcome, guarded, unguarded)
+
+
+def judge(outcome: ExampleOutcome, guarded: Any, unguarded: Any) -> Any:
+    """Compare a guarded example (``outcome`` and its result or summary ``guarded``) with
+    its unguarded replay ``unguarded`` (a result, a summary, or None when vLLM refused to
+    build it: not comparable); sets ``outcome.differential`` and adds the ``worse``
+    finding. Returns the verdict or None."""
+    from kvguard.lab.fuzz import differential
+
+    if unguarded is None:
+        return None
+    verdict = differential.compare(guarded, unguarded, outcome.actions)
+    outcome.differential = verdict
+    if verdict.verdict == "worse":
+        outcome.findings.append(cls.Finding(
+            cls.KIND_WORSE, differential.worse_class(outcome.actions),
+            "kvguard acted and some request ended worse than vLLM alone left it", verdict.detail()))
+    return verdict
+
+
+def _run_once(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | None = None) -> tuple[ExampleOutcome, Any]:
+    """One replay of ``trace`` on a new engine (:func:`run_example` without the comparison)."""
     from kvguard.lab.fuzz.plant import planted
     from kvguard.lab.replay import harness
 
@@ -197,6 +241,17 @@ def run_example(trace: Trace, *, guard: bool, policy: str = "guard", plant: str 
             shutil.rmtree(model_dir, ignore_errors=True)
     actions = dict(capture.tee.counts) if capture.tee is not None else {}
     return cls.classify(result, capture.frames, actions), result
+
+
+def _acting_checks(actions: dict[str, int]) -> list[str]:
+    """The checks that acted in a replay other than by tolerating (``check:action`` keys)."""
+    return sorted({k.split(":", 1)[0] for k in actions if ":" in k and not k.endswith(":tolerated")})
+
+
+def _differential_verdicts() -> tuple[str, ...]:
+    from kvguard.lab.fuzz.differential import VERDICTS
+
+    return VERDICTS
 
 
 def startup_refusal(engine: Any) -> str | None:
@@ -420,6 +475,7 @@ def fuzz(
     progress: Callable[[dict[str, Any]], None] | None = None,
     async_scheduling: bool = True,
     connector: str = "OffloadingConnector",
+    differential: bool = True,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -436,8 +492,15 @@ def fuzz(
     ``--default-layout``, full attention + one sliding window).
     ``connector``: ``geometry.connector`` of every example, or ``"both"`` (drawn per
     example; :func:`.strategies.traces`).
+    ``differential`` (guard on; default): every example where kvguard acted is replayed
+    unguarded too and compared request by request (:mod:`.differential`); a ``worse``
+    example is the kvguard-bug class ``worse-than-vllm-alone after <checks>``. The report's
+    ``differential`` object counts the verdicts, the verdicts per check that acted
+    (``by_check``: any action but ``tolerated``) and, per check, the examples where it cut
+    a hit vLLM alone served whole (``price``).
     """
     from kvguard.lab.fuzz import strategies
+    from kvguard.lab.fuzz.differential import Summary, acted, to_compare
     from kvguard.lab.replay import harness
     from kvguard.lab.replay.trace import load_trace
 
@@ -472,9 +535,18 @@ def fuzz(
         "async_scheduling_examples": 0,
         # examples replayed on the SimpleCPUOffloadConnector (geometry.connector)
         "simple_connector_examples": 0,
+        # guarded: examples where kvguard acted (replayed unguarded too when differential)
+        "acted_examples": 0,
     }
+    # the differential comparison of each acted example (lab/fuzz/differential.py):
+    # verdict -> examples, and per check the examples where it cut a hit vLLM alone served
+    differential_counts: dict[str, int] = {v: 0 for v in _differential_verdicts()}
+    price: dict[str, int] = {}
+    # per check that acted (any action but tolerated): verdict -> examples
+    by_check: dict[str, dict[str, int]] = {}
     invalid_reasons: dict[str, int] = {}
     layouts = new_layout_counts()
+    to_judge: list[tuple[int, Trace, ExampleOutcome, Any]] = []
 
     class _BudgetSpent(Exception):
         pass
@@ -487,7 +559,7 @@ def fuzz(
     def record(trace: Trace) -> None:
         index = totals["examples"] + totals["invalid_geometries"]
         trace = dataclasses.replace(trace, name=f"fuzz-seed{seed}-example{index}")
-        outcome, _ = run_example(trace, guard=guard, policy=policy, plant=plant)
+        outcome, result = run_example(trace, guard=guard, policy=policy, plant=plant)
         if outcome.harness_error is not None:
             nonlocal harness_error
             harness_error = {**outcome.harness_error, "example": index}
@@ -510,7 +582,18 @@ def fuzz(
         totals["requests_failed"] += outcome.requests_failed
         totals["wrong_kv_blocks"] += outcome.wrong_kv_blocks
         totals["stalls"] += int(any(f.kind == cls.KIND_STALL for f in outcome.findings))
-        for f in outcome.findings:
+        totals["acted_examples"] += int(bool(guard and acted(outcome.actions)))
+        if differential and guard and result is not None and to_compare(outcome.actions):
+            # compared after the exploration, all in one unguarded batch (removing and
+            # installing the guard costs ~0.5 s, ten examples' worth)
+            to_judge.append((index, trace, outcome, Summary.of(result)))
+        add_findings(index, trace, outcome, outcome.findings)
+        if progress is not None:
+            progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
+                      "elapsed_s": time.monotonic() - t0})
+
+    def add_findings(index: int, trace: Trace, outcome: ExampleOutcome, findings: list[cls.Finding]) -> None:
+        for f in findings:
             s = stats.get(f.name)
             if s is None:
                 s = stats[f.name] = ClassStats(f.name, f.kind, first_example=index, trace=trace)
@@ -521,9 +604,31 @@ def fuzz(
             for k, v in outcome.actions.items():
                 s.actions[k] = s.actions.get(k, 0) + v
             s.died += int(not outcome.engine_survived)
+
+    def judge_all() -> None:
+        """Replay every acted example unguarded, compare, count, add the worse findings."""
+        if not to_judge:
+            return
         if progress is not None:
-            progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
-                      "elapsed_s": time.monotonic() - t0})
+            progress({"phase": "differential", "examples": len(to_judge)})
+        try:
+            prepare(False, policy)
+            for index, trace, outcome, summary in to_judge:
+                _, unguarded = _run_once(trace, guard=False)
+                before = len(outcome.findings)
+                verdict = judge(outcome, summary, unguarded)
+                if verdict is None:
+                    continue
+                differential_counts[verdict.verdict] += 1
+                for check in verdict.price:
+                    price[check] = price.get(check, 0) + 1
+                for check in _acting_checks(outcome.actions):
+                    row = by_check.setdefault(check, {v: 0 for v in differential_counts})
+                    row[verdict.verdict] += 1
+                add_findings(index, trace, outcome, outcome.findings[before:])
+        finally:
+            prepare(True, policy)
+        to_judge.clear()
 
     @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling, kv_layouts,
               connector)
@@ -541,14 +646,18 @@ def fuzz(
                 explore()
             except (_BudgetSpent, _HarnessStop):
                 pass
+        if harness_error is None:
+            judge_all()
         explore_s = time.monotonic() - t0
         out_classes = []
         for name in sorted(stats) if harness_error is None else ():
             s = stats[name]
             assert s.trace is not None
 
-            def same_class(t: Trace, name: str = name) -> bool:
-                outcome, _ = run_example(t, guard=guard, policy=policy, plant=plant)
+            compare = differential and s.kind == cls.KIND_WORSE
+
+            def same_class(t: Trace, name: str = name, compare: bool = compare) -> bool:
+                outcome, _ = run_example(t, guard=guard, policy=policy, plant=plant, differential=compare)
                 return name in outcome.classes
 
             if progress is not None:
@@ -568,7 +677,8 @@ def fuzz(
             path = out_path / f"{file_slug}.jsonl"
             path.write_text(minimal.dumps(), encoding="utf-8")
             # verify: read the file back the way `kvguard replay --trace FILE` does and replay it
-            outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant)
+            outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant,
+                                          differential=compare)
             report_path = (_upstream_report(s.kind, name, path, minimal, version, guard, policy)
                            if plant is None else None)
             bug = sorted(s.kvguard_bug_reasons)
@@ -592,6 +702,7 @@ def fuzz(
                     "kvguard_bug": bool(bug),
                     "kvguard_bug_reasons": bug,
                     "replay": _replay_summary(result),
+                    "differential": outcome.differential.to_json() if outcome.differential is not None else None,
                     "upstream_report": report_path,
                 }
             )
@@ -612,6 +723,11 @@ def fuzz(
         "invalid_reasons": invalid_reasons,
         "layouts": layouts,
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
+        "differential": (
+            {"enabled": True, "verdicts": differential_counts, "price": price, "by_check": by_check,
+             "worse_examples": differential_counts["worse"]}
+            if guard and differential else {"enabled": False}
+        ),
         "harness_error": harness_error,
         "classes": out_classes,
         "worker_model": worker_model and strategies.WORKER,

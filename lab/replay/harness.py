@@ -106,6 +106,11 @@ class ReplayResult:
     failed_requests: list[dict[str, str]] = field(default_factory=list)
     #: trace requests that never arrived because a request they wait for failed
     not_arrived: int = 0
+    #: per trace request, how it ended (:data:`FATES`): ``finished``, ``failed`` (an error
+    #: status its client sees), ``aborted`` (by the trace), ``unfinished`` (arrived, never
+    #: ended: stranded, or the engine died), ``not_arrived`` (it waits for one that failed,
+    #: or the replay ended first); the differential fuzz compares them request by request
+    request_fates: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     wall_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
@@ -141,6 +146,12 @@ class ReplayResult:
     #: with ``geometry.secondary_tiers``: :meth:`TierTap.summary` (chunks cascaded to and
     #: promoted from the secondary tiers); ``None`` without a secondary tier
     secondary_tiers: dict[str, int] | None = None
+
+    @property
+    def wrong_kv_requests(self) -> set[str]:
+        """Ids of the requests the KV-content oracle found reading wrong KV (empty without one)."""
+        oracle = self.worker.oracle if self.worker is not None else None
+        return oracle.wrong_kv_requests if oracle is not None else set()
 
     @property
     def wrong_kv_blocks(self) -> int:
@@ -293,10 +304,7 @@ class _HitRecorder:
     answer through, :func:`kvguard.guards.checks.admission.unwrapped_lookup`), then the cap, then
     kvguard's admission check (:func:`kvguard.guards.checks.admission.admit`, when the guard
     checks the lookup), so a driven hit passes the same check as any answer of vLLM's
-    lookup. With the guard, vLLM's lookup runs inside
-    :func:`kvguard.guards.checks.admission.record_lookup` (under vLLM's tiering it records the
-    manager's per-chunk answers for the promotion-fit check of a deferred answer), as the
-    guard's own recording wrapper does. The recorded ``external_hit_tokens`` is what the
+    lookup. The recorded ``external_hit_tokens`` is what the
     scheduler finally received. This recorder changes nothing inside vLLM's code.
     """
 
@@ -343,13 +351,7 @@ class _HitRecorder:
 
     def _driven(self, request: Any, num_computed_tokens: int, target: int, args: tuple, kwargs: dict) -> Any:
         """vLLM's own lookup, the cap to ``target`` tokens, then kvguard's admission check."""
-        seen = None
-        if self._admitted:
-            answer, seen = self._admission.promotion.record_lookup(
-                self._cs, self._orig, request, num_computed_tokens, *args, **kwargs
-            )
-        else:
-            answer = self._orig(request, num_computed_tokens, *args, **kwargs)
+        answer = self._orig(request, num_computed_tokens, *args, **kwargs)
         hit, load_async = answer
         if hit:
             want = target - num_computed_tokens
@@ -363,7 +365,7 @@ class _HitRecorder:
                 del self.targets[rid]
                 answer = (want, load_async)
         if self._admitted:
-            answer = self._admission.admit(self._cs, request, num_computed_tokens, answer, seen=seen)
+            answer = self._admission.admit(self._cs, request, num_computed_tokens, answer)
         return answer
 
     def restore(self) -> None:
@@ -487,6 +489,7 @@ class _Replay:
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
         self.failed_ids: set[str] = set()
+        self.aborted_ids: set[str] = set()
         self.aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
         self.idle_steps = 0
         self.drain_steps = 0
@@ -523,9 +526,27 @@ class _Replay:
             if at == step and req is not None and not req.is_finished():
                 vllm_api.abort_request(self.engine.scheduler, rid)
                 self.live.pop(rid)
+                self.aborted_ids.add(rid)
                 self.result.aborted += 1
                 aborted = True
         return aborted
+
+    def fates(self) -> dict[str, str]:
+        """How each trace request ended so far (``ReplayResult.request_fates``)."""
+        out: dict[str, str] = {}
+        for treq in self.trace.requests:
+            rid = treq.id
+            if rid in self.finished:
+                out[rid] = "finished"
+            elif rid in self.failed_ids:
+                out[rid] = "failed"
+            elif rid in self.aborted_ids:
+                out[rid] = "aborted"
+            elif rid in self.live:
+                out[rid] = "unfinished"
+            else:
+                out[rid] = "not_arrived"
+        return out
 
     def drained(self) -> bool:
         """With every request done, EngineCore keeps stepping while the connector has pending
@@ -729,6 +750,7 @@ def run_replay(
         if recorder is not None:
             recorder.restore()
         result.outputs = replay.outputs if replay is not None else {}
+        result.request_fates = replay.fates() if replay is not None else {}
         result.wall_s = time.perf_counter() - t_start
         if not guard:
             if previous_disable is None:
@@ -758,8 +780,6 @@ def _guard_report(result: ReplayResult) -> None:
     # the admission check keeps its own counts (kvguard.guards.checks.admission.snapshot)
     for check, counts in (
         (names.CHECK_LOAD_COVERAGE, admission.snapshot()),
-        (names.CHECK_PROMOTION_FIT, admission.snapshot_promotion_fit()),
-        (names.CHECK_PROMOTION_PROGRESS, admission.snapshot_promotion_progress()),
         (names.CHECK_COPY_COVERAGE, admission.snapshot_copy_coverage()),
         (names.CHECK_WAIT_BOUND, wait_bound.snapshot()),
         (names.CHECK_BLOCK_EXCLUSIVE, exclusive.snapshot()),

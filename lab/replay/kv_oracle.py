@@ -576,6 +576,11 @@ class KVOracle:
                 )
         return new
 
+    @property
+    def wrong_kv_requests(self) -> set[str]:
+        """Ids of the requests with at least one block found holding wrong KV."""
+        return {key[0] for key in self._seen}
+
     def summary(self) -> dict[str, Any]:
         """The report's ``kv_oracle`` object (counts in GPU blocks)."""
         return {

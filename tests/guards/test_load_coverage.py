@@ -505,148 +505,18 @@ def test_admit_reduces_a_hit_whose_window_chunk_is_missing():
 
 
 def test_reset_zeroes_both_checks_counts():
-    """reset() zeroes the promotion-fit counts too (they share the in-process table with
+    """reset() zeroes the copy-coverage counts too (they share the in-process table with
     the load-coverage counts, whose keys the hot path increments in place)."""
     from kvguard.guards.checks import admission
 
-    admission.counters.bump(admission.counters.PF + "hit_reduced", 3)
+    admission.counters.bump(admission.counters.CC + "hit_reduced", 3)
     admission.counters.bump("hit_reduced", 2)
-    assert admission.snapshot_promotion_fit()["hit_reduced"] == 3 and admission.snapshot()["hit_reduced"] == 2
+    assert admission.snapshot_copy_coverage()["hit_reduced"] == 3 and admission.snapshot()["hit_reduced"] == 2
     admission.reset()
-    assert admission.snapshot_promotion_fit()["violations"] == 0 and admission.snapshot()["violations"] == 0
+    assert admission.snapshot_copy_coverage()["violations"] == 0 and admission.snapshot()["violations"] == 0
     admission.counters.stats["evaluated"] += 1  # the hot path's in-place increment needs the key present
     assert admission.snapshot()["evaluated"] == 1
     admission.reset()
-
-
-# -- promotion progress: a deferred tiered hit that loses a ready chunk ------------------
-def _stand_in_tiered(tpb: int, bpc: int, sw: int, chunks: int, capacity: int):
-    """A connector scheduler over a stand-in of vLLM's tiering manager: ``primary_tier``
-    (its policy knows ``cache_capacity``), one secondary tier, a ``lookup``. Entries are
-    set per test in ``cs.manager.primary_tier._policy.chunks``."""
-    from kvguard.guards.checks import admission
-
-    specs = [FullAttentionSpec(), SlidingWindowSpec(sw, 0)]
-    keys = [[(g, c) for c in range(chunks)] for g in range(2)]
-    policy = _Policy({})
-    policy.cache_capacity = capacity
-    config = _Obj(
-        blocks_per_chunk=bpc,
-        kv_group_configs=[_Obj(kv_cache_spec=s, tokens_per_block=tpb, group_idx=g) for g, s in enumerate(specs)],
-    )
-    manager = _Obj(primary_tier=_Obj(_policy=policy), secondary_tiers=[object()], lookup=lambda key, ctx: None)
-    status = _Obj(group_states=tuple(_Obj(offload_keys=k) for k in keys), transfer_jobs=())
-    cs = _Obj(config=config, manager=manager, _req_status={"r": status})
-    assert admission.promotion.tiering_of(cs) is not None  # what record_lookup caches before a check
-    return cs, keys
-
-
-def _deferral(cs, keys, ready: set, pending: set):
-    """One deferred lookup: ``ready`` chunks answer HIT (entry ready), ``pending`` ones
-    RETRY with an entry being written (a promotion in flight); ``(answer, seen)``."""
-    entries = cs.manager.primary_tier._policy.chunks
-    entries.clear()
-    seen = {}
-    for group in keys:
-        for key in group:
-            if key in ready:
-                entries[key], seen[key] = _RefCntEntry(0), _Obj(name="HIT")
-            elif key in pending:
-                entries[key], seen[key] = _RefCntEntry(-1), _Obj(name="RETRY")
-    return (None, False), seen
-
-
-@pytest.fixture
-def policy_of():
-    from kvguard.guards.checks import admission
-    from kvguard.guards.policy import runtime
-
-    previous = runtime.configure()
-    admission.reset()
-    yield lambda p: runtime.configure(policy=p)
-    runtime.configure(policy=previous["policy"])
-    admission.reset()
-
-
-def test_a_deferral_that_loses_a_ready_chunk_answers_what_is_ready(policy_of):
-    """Two deferred lookups of one request whose 40-token hit fits the CPU tier: at the
-    first, chunk 4 of each group is being promoted and the rest is ready; at the second,
-    chunk 3 of the full-attention group is being promoted again (evicted in between). Under
-    ``guard`` the second answers the longest hit whose load set is ready now (chunk 3 of
-    group 0 cuts it to 24 tokens), counted as ``promotion_progress`` ``hit_reduced`` with
-    the cut tokens; a deferral that only gains ready chunks passes vLLM's ``None`` on."""
-    from kvguard.guards.checks import admission
-
-    tpb, bpc, sw = 4, 2, 20  # 8-token chunks; the window reads 3 chunks of group 1
-    cs, keys = _stand_in_tiered(tpb, bpc, sw, chunks=5, capacity=29)
-    groups = [GroupGeometry(tpb, bpc), GroupGeometry(tpb, bpc, sw)]
-    request = _Obj(request_id="r", num_tokens=41)
-    every = {k for group in keys for k in group}
-    policy_of("guard")
-    first = {(0, 4), (1, 4)}
-    answer, seen = _deferral(cs, keys, every - first, first)
-    assert admission.admit(cs, request, 0, answer, seen) is answer  # nothing to compare yet
-    answer, seen = _deferral(cs, keys, every - first | {(1, 4)}, {(0, 4)})  # gained one: fine
-    assert admission.admit(cs, request, 0, answer, seen) is answer
-    assert admission.snapshot_promotion_progress()["evaluated"] == 1
-    assert admission.snapshot_promotion_progress()["violations"] == 0
-    lost = {(0, 3), (0, 4)}
-    answer, seen = _deferral(cs, keys, every - lost, lost)
-    out = admission.admit(cs, request, 0, answer, seen)
-    want = longest_loadable_hit(groups, 0, 40, lambda g, c: (g, c) not in lost)
-    assert want == 24 and out == (24, True)
-    snap = admission.snapshot_promotion_progress()
-    assert snap["evaluated"] == 2 and snap["hit_reduced"] == 1 and snap["recomputed_tokens"] == 40 - 24
-    assert admission.snapshot_promotion_fit()["violations"] == 0  # 8 chunks fit in 29
-
-
-@pytest.mark.parametrize("policy", ["observe", "strict"])
-def test_promotion_progress_observe_counts_and_strict_raises(policy_of, policy):
-    from kvguard.guards.checks import admission
-
-    cs, keys = _stand_in_tiered(4, 2, 20, chunks=5, capacity=29)
-    request = _Obj(request_id="r", num_tokens=41)
-    every = {k for group in keys for k in group}
-    policy_of(policy)
-    answer, seen = _deferral(cs, keys, every - {(0, 4)}, {(0, 4)})
-    assert admission.admit(cs, request, 0, answer, seen) is answer
-    answer, seen = _deferral(cs, keys, every - {(0, 0), (0, 4)}, {(0, 0), (0, 4)})
-    if policy == "observe":
-        assert admission.admit(cs, request, 0, answer, seen) is answer
-        assert admission.snapshot_promotion_progress()["continued"] == 1
-    else:
-        with pytest.raises(AssertionError, match="promotion_progress"):
-            admission.admit(cs, request, 0, answer, seen)
-        assert admission.snapshot_promotion_progress()["raised"] == 1
-
-
-def test_an_answered_lookup_ends_the_deferral_it_is_compared_with(policy_of):
-    """A lookup vLLM answers (here 0 tokens: the request is scheduled without a hit, then
-    preempted) forgets the request's last deferral, so a later deferral with fewer ready
-    chunks is a new wait, not a lost one; the kill switch (``promotion_progress=False``)
-    leaves every deferral to vLLM."""
-    from kvguard.guards.checks import admission
-
-    cs, keys = _stand_in_tiered(4, 2, 20, chunks=5, capacity=29)
-    request = _Obj(request_id="r", num_tokens=41)
-    every = {k for group in keys for k in group}
-    policy_of("guard")
-    answer, seen = _deferral(cs, keys, every - {(0, 4)}, {(0, 4)})
-    admission.admit(cs, request, 0, answer, seen)
-    assert admission.admit(cs, request, 0, (0, False), seen) == (0, False)
-    answer, seen = _deferral(cs, keys, every - {(0, 0), (0, 4)}, {(0, 0), (0, 4)})
-    assert admission.admit(cs, request, 0, answer, seen) is answer
-    assert admission.snapshot_promotion_progress()["violations"] == 0
-    assert admission.snapshot_promotion_progress()["evaluated"] == 0  # a first deferral again
-    answer, seen = _deferral(cs, keys, {(0, 1)}, every - {(0, 1)})  # loses all but one
-    admission.configure(promotion_progress=False)
-    try:
-        assert admission.admit(cs, request, 0, answer, seen) is answer
-        assert admission.snapshot_promotion_progress()["evaluated"] == 0
-    finally:
-        admission.unconfigure()
-    assert admission.admit(cs, request, 0, answer, seen) == (0, False)  # switched on: reduced
-    assert admission.snapshot_promotion_progress()["hit_reduced"] == 1
 
 
 # -- the pre-bound wrapper of each scheduler (kvguard.guards.checks.admission.attach) ----------
@@ -661,7 +531,6 @@ def _wrapped_scheduler_class():
     class Scheduler:
         def __init__(self):
             self.__dict__.update(vars(_stand_in_scheduler(4, 2, 20, 0, 8, missing={(1, 3)})))
-            self.__dict__[admission.promotion.TIERING_ATTR] = None  # no tiering: nothing to record
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             return (40, True)
@@ -721,7 +590,6 @@ def _inline_scheduler_class():
 
     def init(self):
         self.__dict__.update(stand_in)
-        self.__dict__[admission.promotion.TIERING_ATTR] = None  # no tiering: nothing to record
 
     Scheduler.__init__ = init
     return Scheduler

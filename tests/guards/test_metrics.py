@@ -81,11 +81,11 @@ def test_a_skipped_check_is_counted_by_check_and_reason(tmp_path):
     m = GuardMetrics(state_dir=tmp_path)
     m.check_skipped("load_coverage", "group_kind")
     m.check_skipped("load_coverage", "group_kind")
-    m.check_skipped("promotion_fit", "offload_manager")
+    m.check_skipped("copy_coverage", "offload_manager")
     r = scrape(tmp_path / "metrics")
     assert r.get_sample_value("kvguard_check_skipped_total", {"check": "load_coverage", "reason": "group_kind"}) == 2
     assert r.get_sample_value(
-        "kvguard_check_skipped_total", {"check": "promotion_fit", "reason": "offload_manager"}
+        "kvguard_check_skipped_total", {"check": "copy_coverage", "reason": "offload_manager"}
     ) == 1
     assert r.get_sample_value("kvguard_check_skipped_total", {"check": "load_coverage", "reason": "partial_tail"}) == 0
     assert r.get_sample_value("kvguard_guard_errors_total", {"stage": "admission"}) == 0  # a skip is not an error

@@ -284,6 +284,13 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path, seed, no_lost_requests):
         assert set(expected["kv_cache_groups"]) - {"2"} and expected["mixed_block_sizes"] > 0
     if support["extra_retained_tokens"] is None:
         assert expected["extra_retained_tokens"] > 0
+    # never worse than vLLM alone: every example where kvguard acted was replayed unguarded
+    # and compared request by request (lab/fuzz/differential.py)
+    diff = r["differential"]
+    assert diff["enabled"] is True and diff["verdicts"]["worse"] == 0
+    assert not [c for c in r["classes"] if c["kind"] == "worse"]
+    assert sum(diff["verdicts"].values()) >= r["acted_examples"]
+    assert "promotion_fit" not in diff["price"] and "promotion_progress" not in diff["price"]  # retired
     if no_lost_requests:  # no request lost, no stall of any kind
         assert lost == {} and r["requests_lost"] == 0
         assert not [c for c in r["classes"] if c["kind"] == "stall"]
@@ -316,6 +323,48 @@ def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
     os.environ.pop(plant.ENV, None)
     outcome, _ = runner.run_example(load_trace(c["trace"]), guard=True)
     assert not outcome.kvguard_death
+
+
+def test_a_guard_that_acts_too_early_is_reported_worse_than_vllm_alone(monkeypatch):
+    """The differential's negative control: the wait bound set to one observation
+    (``KVGUARD_WAIT_BOUND_STEPS=1``) ends a healthy load that takes four steps by failing its
+    request; vLLM alone finishes it, so the comparison says ``worse`` and names the request
+    and the check, and the finding is a kvguard bug. With the default bound the same trace
+    is compared ``same`` or not at all (the guard never acts on it)."""
+    import json as _json
+
+    from kvguard.lab.fuzz import differential
+    from kvguard.lab.replay.trace import parse_trace
+
+    header = {
+        "kind": "header", "format": "kvguard-replay/1", "name": "slow-load",
+        "geometry": {"tokens_per_block": 16, "tokens_per_chunk": 64, "sliding_window": 128,
+                     "num_gpu_blocks": 68, "cpu_chunks": 64, "max_num_batched_tokens": 128,
+                     "max_num_seqs": 4, "max_model_len": 640, "vocab_size": 1000},
+        "worker": {"load_latency_steps": 4},
+    }
+    reqs = [
+        {"kind": "request", "id": "r0", "prompt": [{"seed": 1, "tokens": 512}], "max_tokens": 4},
+        {"kind": "request", "id": "filler", "after": "r0", "prompt": [{"seed": 3, "tokens": 600}], "max_tokens": 4},
+        {"kind": "request", "id": "r1", "after": "filler",
+         "prompt": [{"seed": 1, "tokens": 512}, {"seed": 2, "tokens": 64}], "max_tokens": 4},
+    ]
+    trace = parse_trace([_json.dumps(o) for o in [header, *reqs]], source="slow-load")
+    monkeypatch.setenv("KVGUARD_WAIT_BOUND_STEPS", "1")
+    runner.prepare(True, "guard")
+    outcome, result = runner.run_example(trace, guard=True, differential=True)
+    assert outcome.invalid is None and result.hits["r1"]["external_hit_tokens"] > 0  # r1 loads from the CPU tier
+    assert [f["request_id"] for f in result.failed_requests] == ["r1"]
+    verdict = outcome.differential
+    assert verdict is not None and verdict.verdict == "worse" and verdict.worse == ["r1"]
+    (worse,) = [f for f in outcome.findings if f.kind == "worse"]
+    assert worse.name == f"{differential.WORSE_CLASS} after wait_bound" and worse.kvguard_bug
+    monkeypatch.delenv("KVGUARD_WAIT_BOUND_STEPS")
+    runner.prepare(True, "guard")
+    outcome, result = runner.run_example(trace, guard=True, differential=True)
+    assert result.failed_requests == [] and result.finished == 3
+    assert outcome.differential is None or outcome.differential.verdict == "same"
+    assert not [f for f in outcome.findings if f.kind == "worse"]
 
 
 def test_run_example_replays_with_the_traces_worker_model():

@@ -10,7 +10,7 @@ The admission checks of one lookup answer, one module per check:
 
 - :mod:`~kvguard.guards.checks.admission.loadable`: ``load_coverage``, every chunk of the hit's load set present and ready;
 - :mod:`~kvguard.guards.checks.admission.copied`: ``copy_coverage``, every slot the load reads was copied by its store;
-- :mod:`~kvguard.guards.checks.admission.promotion`: ``promotion_fit`` and ``promotion_progress``, a deferred hit under vLLM's tiering;
+- :mod:`~kvguard.guards.checks.admission.deferred`: what a deferred lookup waits for and what of it is ready now (the wait bound's measure and reduced answer);
 
 where they run (:mod:`~kvguard.guards.checks.admission.lookup`: vLLM's lookup, rewritten or wrapped),
 what they read (:mod:`kvguard.guards.checks.offload_plan`) and how they count
@@ -25,8 +25,6 @@ from kvguard.guards.checks.admission.counters import (
     set_metrics_sink,
     snapshot,
     snapshot_copy_coverage,
-    snapshot_promotion_fit,
-    snapshot_promotion_progress,
     snapshot_skipped,
     unconfigure,
 )
@@ -38,10 +36,8 @@ from kvguard.guards.checks.admission.lookup import (
     attach,
     attach_wrapper,
     detach_all,
-    recording_wrapper,
     unwrapped_lookup,
 )
-from kvguard.guards.checks.admission.promotion import record_lookup
 from kvguard.guards.checks.load_coverage import Unsupported
 from kvguard.guards.checks.offload_plan import group_geometries
 
@@ -53,16 +49,12 @@ __all__ = [
     "attach",
     "attach_wrapper",
     "detach_all",
-    "recording_wrapper",
     "unwrapped_lookup",
     "configure",
     "unconfigure",
     "snapshot",
-    "snapshot_promotion_fit",
-    "snapshot_promotion_progress",
     "snapshot_copy_coverage",
     "snapshot_skipped",
-    "record_lookup",
     "reset",
     "metrics_sink",
     "set_metrics_sink",

@@ -1,8 +1,7 @@
 """The admission checks' in-process counts, sinks and kill switches, and the one way a
 violation of any of them is decided and counted (:func:`decide`, :func:`record_violation`).
 
-Counts by check: ``load_coverage`` (keys without prefix), ``copy_coverage`` (:data:`CC`),
-``promotion_fit`` (:data:`PF`), ``promotion_progress`` (:data:`PP`); skips by
+Counts by check: ``load_coverage`` (keys without prefix), ``copy_coverage`` (:data:`CC`); skips by
 ``(check, reason)``. Read with :func:`snapshot` and its siblings; zeroed by :func:`reset`.
 """
 
@@ -21,20 +20,13 @@ stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 #: the metrics sink (None: counters in :func:`snapshot` only) and the events module
 sink_metrics: Any = None
 sink_events: Any = None
-#: False: the promotion-fit check is off (``KVGUARD_DISABLED_SITES=admission:promotion_fit``)
-promotion_fit_on = True
-#: False: the promotion-progress check is off (``KVGUARD_DISABLED_SITES=admission:promotion_progress``)
-promotion_progress_on = True
 
 
-def configure(metrics: Any = None, events: Any = None, promotion_fit: bool = True,
-              promotion_progress: bool = True) -> None:
+def configure(metrics: Any = None, events: Any = None) -> None:
     """Set the metrics sink (a :class:`kvguard.guards.telemetry.metrics.GuardMetrics`) and events
-    module; ``promotion_fit`` / ``promotion_progress`` False turns that check of deferred
-    tiered hits off (their kill switches)."""
-    global sink_metrics, sink_events, promotion_fit_on, promotion_progress_on
+    module."""
+    global sink_metrics, sink_events
     sink_metrics, sink_events = metrics, events
-    promotion_fit_on, promotion_progress_on = bool(promotion_fit), bool(promotion_progress)
 
 
 def metrics_sink() -> Any:
@@ -44,19 +36,18 @@ def metrics_sink() -> Any:
 
 def set_metrics_sink(metrics: Any) -> None:
     """Replace only the metrics sink (the fuzz runner's tee of kvguard's decisions); the
-    events module and the kill switches stay as configured."""
+    events module stays as configured."""
     global sink_metrics
     sink_metrics = metrics
 
 
 def unconfigure() -> None:
-    """Back to no sinks (counters in :func:`snapshot` only), both deferred-hit checks on."""
+    """Back to no sinks (counters in :func:`snapshot` only)."""
     configure(None, None)
 
 
 def reset() -> None:
-    """Zero the in-process counters of :func:`snapshot`, :func:`snapshot_promotion_fit` and
-    :func:`snapshot_promotion_progress`
+    """Zero the in-process counters of :func:`snapshot` and :func:`snapshot_copy_coverage`
     (the hot path increments the ``snapshot`` keys in place, so they stay present)."""
     with _lock:
         stats.clear()
@@ -74,25 +65,6 @@ def snapshot() -> dict[str, int]:
     return out
 
 
-def snapshot_promotion_fit() -> dict[str, int]:
-    """The promotion-fit check's in-process counts since :func:`reset`, same keys as
-    :func:`snapshot`: ``evaluated`` (deferred lookups under vLLM's tiering checked),
-    ``hit_reduced``, ``continued``, ``raised``, ``recomputed_tokens`` (tokens of the
-    deferred hit not loaded), ``unchecked`` (deferred lookups the check could not read,
-    plus one per connector scheduler whose CPU tier capacity it cannot read: ``promotion.tiering_of``)
-    and ``violations``."""
-    return _prefixed_snapshot(PF)
-
-
-def snapshot_promotion_progress() -> dict[str, int]:
-    """The promotion-progress check's in-process counts since :func:`reset`, same keys as
-    :func:`snapshot_promotion_fit`: ``evaluated`` (deferred lookups compared with the
-    request's previous deferred lookup), ``hit_reduced``, ``continued``, ``raised``,
-    ``recomputed_tokens``, ``unchecked`` (always 0: an unreadable deferral counts under
-    ``promotion_fit``) and ``violations``."""
-    return _prefixed_snapshot(PP)
-
-
 def snapshot_copy_coverage() -> dict[str, int]:
     """The copy coverage check's in-process counts since :func:`reset`, same keys as
     :func:`snapshot`: ``evaluated`` (hits whose load set was loadable and read against the
@@ -105,7 +77,7 @@ def snapshot_copy_coverage() -> dict[str, int]:
 def snapshot_skipped() -> dict[tuple[str, str], int]:
     """In-process skipped evaluations since :func:`reset`, by ``(check, reason)`` (what
     ``kvguard_check_skipped_total`` counts; pairs with none are absent). Each is also in
-    that check's ``unchecked`` of :func:`snapshot` / :func:`snapshot_promotion_fit`."""
+    that check's ``unchecked`` of :func:`snapshot` / :func:`snapshot_copy_coverage`."""
     with _lock:
         return dict(_skipped)
 
@@ -114,13 +86,6 @@ def _prefixed_snapshot(prefix: str) -> dict[str, int]:
     out = {k: stats.get(prefix + k, 0) for k in _STAT_KEYS}
     out["violations"] = out["hit_reduced"] + out["continued"] + out["raised"]
     return out
-
-
-#: key prefixes of the promotion-fit and promotion-progress counts in ``stats``
-PF = "promotion_fit:"
-
-
-PP = "promotion_progress:"
 
 
 #: key prefix of the copy-coverage counts in ``stats``

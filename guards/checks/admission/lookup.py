@@ -1,9 +1,9 @@
 """Where the admission checks run: vLLM's own lookup (``get_num_new_matched_tokens``).
 
-:func:`admit` is every check of one lookup answer in order: the promotion checks of a
-deferred answer under vLLM's tiering (:mod:`~kvguard.guards.checks.admission.promotion`), the
-load and copy coverage of a hit (:mod:`~kvguard.guards.checks.admission.loadable`), then the
-wait bound (:mod:`kvguard.guards.checks.wait_bound`).
+:func:`admit` is every check of one lookup answer in order: the load and copy coverage of
+a hit (:mod:`~kvguard.guards.checks.admission.loadable`), then the wait bound
+(:mod:`kvguard.guards.checks.wait_bound`; a deferred answer's measure and reduced answer:
+:mod:`~kvguard.guards.checks.admission.deferred`).
 
 Where the check runs: in vLLM's own lookup. The instrumentor rewrites each
 ``return <answer>`` of ``get_num_new_matched_tokens`` into ``return
@@ -18,9 +18,7 @@ The rewrite applies where the method's parameters are named ``request`` and
 ``num_computed_tokens`` and never rebound (read off its ``def``; every full release
 0.21.0-0.34.0 qualifies); elsewhere the fallback is the ``wrapt`` wrap
 (:func:`admission_wrapper`, arguments bound by ``inspect.signature`` positions:
-:class:`_Binder`), with each scheduler pre-bound (:func:`attach`). Under vLLM's tiering a
-scheduler also gets a recording wrapper (:func:`recording_wrapper`): the promotion checks
-of a deferred answer need the manager's per-key answers of that very call. In
+:class:`_Binder`), with each scheduler pre-bound (:func:`attach`). In
 :func:`~kvguard.guards.checks.admission.loadable.check_hit` the chunk bounds are computed inline, the plan is read off the scheduler's
 ``__dict__`` and the counters are incremented without a call.
 """
@@ -34,7 +32,7 @@ from typing import Any, Callable
 
 from kvguard.guards import names
 from kvguard.guards.checks import offload_plan, wait_bound
-from kvguard.guards.checks.admission import counters, loadable, promotion
+from kvguard.guards.checks.admission import counters, deferred, loadable
 from kvguard.guards.checks.admission.counters import stats
 from kvguard.guards.checks.load_coverage import load_set
 from kvguard.guards.checks.offload_plan import PLAN_ATTR, Plan
@@ -43,14 +41,14 @@ from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN
 from kvguard.guards.policy import runtime
 
 
-def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
+def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
     """Check vLLM's lookup ``answer`` for ``request`` (:func:`_admit`), then give the result
     to the wait bound (:mod:`kvguard.guards.checks.wait_bound`): a deferred answer (``None``) is an
     observation of the request's wait (which, stalled, may end it: a reduced answer under
     ``guard``), a number ends a deferral, an async load is watched until it is promoted.
     Raises ``AssertionError`` only under ``strict``.
     """
-    out = _admit(cs, request, num_computed_tokens, answer, seen)
+    out = _admit(cs, request, num_computed_tokens, answer)
     if not wait_bound._enabled:
         return out
     try:
@@ -78,9 +76,9 @@ def _wait_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any)
     if readable:
         group_states = req_status.group_states
         get = plan.getter()
-        end = promotion.awaited_end(plan, group_states, request)
+        end = deferred.awaited_end(plan, group_states, request)
         if end > num_computed_tokens:
-            ready = promotion.ready_pred(cs, group_states, get)
+            ready = deferred.ready_pred(cs, group_states, get)
             ready_chunks = sum(
                 1 for g, chunks in enumerate(load_set(plan.groups, num_computed_tokens, end)) for c in chunks
                 if ready(g, c)
@@ -90,31 +88,23 @@ def _wait_deferred(cs: Any, request: Any, num_computed_tokens: int, answer: Any)
         return answer
     hit = 0
     if readable and end > num_computed_tokens:
-        hit = promotion.ready_hit(cs, plan, req_status.group_states, plan.getter(), num_computed_tokens,
-                         end - num_computed_tokens)
-    promotion.ready_memory(cs).pop(request.request_id, None)
+        hit = deferred.ready_hit(cs, plan, req_status.group_states, plan.getter(), num_computed_tokens,
+                                 end - num_computed_tokens)
     return wait_bound.act_deferred(cs, wait, hit, answer)
 
 
-def _admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, seen: dict | None = None) -> Any:
+def _admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
     """Check vLLM's lookup ``answer`` for ``request``; return it, a reduced one, or raise (strict).
 
     ``cs``: the ``OffloadingConnectorScheduler``; ``num_computed_tokens``: the local GPU
     prefix hit (tokens) passed to ``get_num_new_matched_tokens``; ``answer``: its
-    ``(num_external_tokens | None, load_async)``; ``seen``: what the manager's ``lookup``
-    answered per offload key during that call (:func:`promotion.record_lookup`; None when it was
-    not recorded). Returns ``answer`` itself when the load set is loadable or nothing is
-    checked; under ``guard`` a new ``(reduced, load_async and reduced > 0)`` tuple. A
-    deferred answer (``None``) with ``seen`` goes to the promotion-fit check (module
-    docstring), which under ``guard`` may answer ``(reduced, reduced > 0)`` instead.
+    ``(num_external_tokens | None, load_async)``. Returns ``answer`` itself when the load
+    set is loadable or nothing is checked (a deferred answer is the wait bound's,
+    :func:`admit`); under ``guard`` a new ``(reduced, load_async and reduced > 0)`` tuple.
     Raises ``AssertionError`` only under ``strict``.
     """
     try:
         hit = answer[0]
-        if seen is not None:  # vLLM's tiering manager (promotion.record_lookup recorded the lookup)
-            if hit is None:
-                return promotion.check_deferred(cs, request, num_computed_tokens, answer, seen)
-            promotion.forget_ready(cs, request)  # the deferral, if any, ended with this answer
         if not hit:
             return answer
         return loadable.check_hit(cs, request, num_computed_tokens, answer, hit)
@@ -202,61 +192,49 @@ def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -
 
     ``cs``, ``request``, ``num_computed_tokens``: the method's own ``self`` and arguments
     (tokens); ``answer``: the ``(num_external_tokens | None, load_async)`` it is returning.
-    Returns what the method returns instead: :func:`admit`'s result for a hit (or a
-    deferred answer under vLLM's tiering), ``answer`` itself otherwise. Under vLLM's
-    tiering the manager's per-key answers of this very call come from the
-    :class:`promotion.LookupRecorder` the scheduler's recording wrapper (:func:`attach`) put on
-    the manager for its length (``seen``; None without one: a deferred answer is then
-    passed through unchecked). Raises ``AssertionError`` only under ``strict`` (from
-    :func:`admit`); an error of kvguard's counts ``stage="admission"`` and returns ``answer``.
+    Returns what the method returns instead: :func:`admit`'s result for a hit or a deferred
+    answer (the wait bound's), ``answer`` itself otherwise. Raises ``AssertionError`` only
+    under ``strict`` (from :func:`admit`); an error of kvguard's counts ``stage="admission"``
+    and returns ``answer``.
     """
     if _suspended:
         return answer
     try:
-        tiering = cs.__dict__.get(promotion.TIERING_ATTR, promotion.UNSET)
-        if tiering is promotion.UNSET:
-            tiering = promotion.tiering_of(cs)
-        seen = None
-        if tiering is not None:
-            recorder = tiering.manager.__dict__.get("lookup")
-            if recorder.__class__ is promotion.LookupRecorder:
-                seen = recorder.seen
         hit = answer[0]
-        if seen is None:
-            if not hit:  # None (deferred) or 0: no hit to check
-                if hit is None and wait_bound._enabled:
-                    return admit(cs, request, num_computed_tokens, answer, None)  # the wait bound
-                table = cs.__dict__.get(TABLE_ATTR)
-                if table is not None and table.waits:  # a deferral, if any, ended
-                    wait_bound.answered(cs, request.request_id)
-                return answer
-            # a kept verdict asked again (vLLM asks the head of the waiting queue again
-            # every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace,
-            # 0.33.0): loadable.verdict_kept and wait_bound.hit_answered written inline,
-            # since each Python call here costs about a microsecond cold (issue 31,
-            # bench/in_place_cost.py: 5.6 us per reused answer through three calls)
-            plan = cs.__dict__.get(PLAN_ATTR)
-            if plan.__class__ is Plan:
-                rid = request.request_id
-                kept = plan.verdicts.get(rid)
-                epoch = plan.epoch
-                if (kept is not None and epoch is not None and kept[0] == epoch.n
-                        and kept[2] == num_computed_tokens and kept[3] == hit):
-                    req_status = cs._req_status.get(rid)
-                    if kept[1] is req_status and getattr(req_status, "partial_tail_boundary", None) is None:
-                        stats["reused"] += 1
-                        if wait_bound._enabled:
-                            table = cs.__dict__.get(TABLE_ATTR)
-                            if table is not None:
-                                if table.waits:
-                                    wait_bound.answered(cs, rid)
-                                if answer[1] and table.stepped:
-                                    table.async_loads[rid] = request
-                        return answer
+        if not hit:  # None (deferred) or 0: no hit to check
+            if hit is None and wait_bound._enabled:
+                return admit(cs, request, num_computed_tokens, answer)  # the wait bound
+            table = cs.__dict__.get(TABLE_ATTR)
+            if table is not None and table.waits:  # a deferral, if any, ended
+                wait_bound.answered(cs, request.request_id)
+            return answer
+        # a kept verdict asked again (vLLM asks the head of the waiting queue again
+        # every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace,
+        # 0.33.0): loadable.verdict_kept and wait_bound.hit_answered written inline,
+        # since each Python call here costs about a microsecond cold (issue 31,
+        # bench/in_place_cost.py: 5.6 us per reused answer through three calls)
+        plan = cs.__dict__.get(PLAN_ATTR)
+        if plan.__class__ is Plan:
+            rid = request.request_id
+            kept = plan.verdicts.get(rid)
+            epoch = plan.epoch
+            if (kept is not None and epoch is not None and kept[0] == epoch.n
+                    and kept[2] == num_computed_tokens and kept[3] == hit):
+                req_status = cs._req_status.get(rid)
+                if kept[1] is req_status and getattr(req_status, "partial_tail_boundary", None) is None:
+                    stats["reused"] += 1
+                    if wait_bound._enabled:
+                        table = cs.__dict__.get(TABLE_ATTR)
+                        if table is not None:
+                            if table.waits:
+                                wait_bound.answered(cs, rid)
+                            if answer[1] and table.stepped:
+                                table.async_loads[rid] = request
+                    return answer
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer
-    return admit(cs, request, num_computed_tokens, answer, seen)
+    return admit(cs, request, num_computed_tokens, answer)
 
 
 def admits_inline(method: Any) -> bool:
@@ -265,15 +243,6 @@ def admits_inline(method: Any) -> bool:
     ``admission_return`` rewrite in its code (it reads the injected check by name)."""
     code = getattr(method, "__code__", None)
     return code is not None and GLOBAL_ADMIT_RETURN in code.co_names
-
-
-def recording_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``wrapt`` wrapper of a tiering connector scheduler's own (rewritten) lookup: runs it
-    inside :func:`promotion.record_lookup`, so :func:`admit_return` reads what the tiering manager's
-    ``lookup`` answered per key during the call (the promotion checks of a deferred answer)."""
-    if instance is None:
-        return wrapped(*args, **kwargs)
-    return promotion.record_lookup(instance, wrapped, *args, **kwargs)[0]
 
 
 def _call_unchecked(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -290,33 +259,28 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
 
     Calls vLLM's method, then :func:`admit` on its answer (arguments bound by
     ``inspect.signature``, see :class:`_Binder`). An answer without a hit (``None`` or
-    0 tokens) returns at once, unbound, except a deferred answer (``None``) under vLLM's
-    tiering manager: there vLLM's method runs inside :func:`promotion.record_lookup` and the
-    answer goes to the promotion-fit check. A binding error counts ``stage="admission"``
+    0 tokens) returns at once, unbound, except a deferred answer (``None``), which goes to
+    the wait bound. A binding error counts ``stage="admission"``
     and returns vLLM's answer. The fallback where the ``admission_return`` rewrite does not
     apply (:func:`kvguard.guards.hooking.rewrite.admission_return_names`): a lookup that rebinds
     its arguments, or whose parameters are named otherwise.
     """
     if instance is None:
         return wrapped(*args, **kwargs)
-    if instance.__dict__.get(promotion.TIERING_ATTR, promotion.UNSET) is None:  # no tiering (known): nothing to record
-        answer = wrapped(*args, **kwargs)
-        seen = None
-    else:
-        answer, seen = promotion.record_lookup(instance, wrapped, *args, **kwargs)
+    answer = wrapped(*args, **kwargs)
     try:
-        if seen is None and not answer[0]:  # None (deferred) or 0: no hit to check
+        if not answer[0]:  # None (deferred) or 0: no hit to check
             if (answer[0] is None and wait_bound._enabled) or TABLE_ATTR in instance.__dict__:
                 request, num_computed_tokens = _bind(wrapped, args, kwargs)
                 if answer[0] is None:
-                    return admit(instance, request, num_computed_tokens, answer, None)  # the wait bound
+                    return admit(instance, request, num_computed_tokens, answer)  # the wait bound
                 wait_bound.answered(instance, request.request_id)
             return answer
         request, num_computed_tokens = _bind(wrapped, args, kwargs)
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer
-    return admit(instance, request, num_computed_tokens, answer, seen)
+    return admit(instance, request, num_computed_tokens, answer)
 
 
 #: connector schedulers given an instance-level wrapper by :func:`attach` (for :func:`detach_all`)
@@ -327,10 +291,8 @@ def attach(cs: Any) -> bool:
     """Give the connector scheduler ``cs`` its own pre-bound wrapper of the lookup, where
     one is needed; True when attached.
 
-    - vLLM's lookup carries the check in its own code (:func:`admits_inline`): only a
-      scheduler with vLLM's tiering manager gets one, ``wrapt.FunctionWrapper(<the method
-      bound to cs>, recording_wrapper)`` (the promotion checks need the manager's per-key
-      answers of the call); every other scheduler calls vLLM's method directly.
+    - vLLM's lookup carries the check in its own code (:func:`admits_inline`): nothing to
+      attach, every scheduler calls vLLM's method directly.
     - the fallback, the class-level wrap (:func:`admission_wrapper`): every scheduler gets
       ``wrapt.FunctionWrapper(<vLLM's method bound to cs>, admission_wrapper)``: vLLM calls
       ``self.connector_scheduler.get_num_new_matched_tokens(...)`` on every waiting request
@@ -348,10 +310,8 @@ def attach(cs: Any) -> bool:
         return False
     attr = inspect.getattr_static(type(cs), "get_num_new_matched_tokens", None)
     if admits_inline(attr):
-        if promotion.tiering_of(cs) is None:
-            return False  # nothing to record: the rewritten method is all it takes
-        target, wrapper = attr, recording_wrapper
-    elif getattr(attr, "_self_wrapper", None) is admission_wrapper:
+        return False  # the rewritten method is all it takes
+    if getattr(attr, "_self_wrapper", None) is admission_wrapper:
         target, wrapper = attr.__wrapped__, admission_wrapper
     else:
         return False
@@ -381,7 +341,7 @@ def detach_all() -> None:
     (:func:`kvguard.guards.checks.tier_removals.unwatch_all`: no kept verdict is reused after)."""
     for cs in list(_attached):
         attr = cs.__dict__.get("get_num_new_matched_tokens")
-        if getattr(attr, "_self_wrapper", None) in (admission_wrapper, recording_wrapper):
+        if getattr(attr, "_self_wrapper", None) is admission_wrapper:
             del cs.__dict__["get_num_new_matched_tokens"]
     _attached.clear()
     wait_bound.detach_all()

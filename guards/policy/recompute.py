@@ -1,0 +1,194 @@
+"""Recompute a parked request whose load was reported but never promoted (action ``recomputed``).
+
+The wait bound's ``load_not_promoted`` wait (:mod:`kvguard.guards.checks.wait_bound`): the
+worker reported a request's async load (``finished_recving``), the request sits in
+``WAITING_FOR_REMOTE_KVS`` holding its GPU blocks, and vLLM's waiting scan never reaches it
+to promote it (vllm#45388: the scan ``break``s at a head that cannot allocate, and that head
+waits for the very blocks the parked request holds). Failing the request ends the wait at
+the price of the request. vLLM's own code offers a cheaper way on every full release
+0.21.0-0.34.0: its **failed-receive path**. A request whose load failed is listed in
+``Scheduler.failed_recving_kv_req_ids`` with ``num_computed_tokens`` set to what is valid;
+when its promotion runs, ``_update_waiting_for_remote_kv`` frees its blocks when nothing is
+valid ("No valid computed tokens, release allocated blocks. There may be a local cache hit
+on retry."), and the promotion sets it back to ``WAITING`` (``PREEMPTED`` after a
+preemption): the request is scheduled again from scratch, with a fresh lookup, and costs a
+prefill instead of the request.
+
+:func:`recompute_reported` runs exactly that path, now, instead of when the scan would have
+reached the request: it marks the request a failed receive with nothing valid
+(``failed_recving_kv_req_ids.add``, ``num_computed_tokens = 0``, as vLLM's
+``_update_requests_with_invalid_blocks`` does for a load whose first block is invalid) and
+calls the release's own promotion of a blocked waiting request; then it takes the request
+out of the admission bookkeeping the way the release's own preemption and free do
+(:func:`releases`). The freed blocks let the head allocate; the parked request goes on when
+the scan reaches it.
+
+The promotion is bound by structure, never by release number (:func:`promoter`): the one
+method of the scheduler's class that takes ``(self, request)``, names
+``WAITING_FOR_REMOTE_KVS`` and ``finished_recving_kv_req_ids`` and calls
+``self._update_waiting_for_remote_kv(request)``, whose source in turn frees the request's
+blocks for a failed receive (``failed_recving_kv_req_ids`` and ``kv_cache_manager.free(request)``).
+On 0.21.0-0.29.0 that is ``_try_promote_blocked_waiting_request``, on 0.33.0-0.34.0
+``_handle_blocked_waiting_request`` (0.34.0 also re-reserves the parked request's blocks
+there, ``_reserve_parked``, exactly as for any promotion). A release without such a method,
+or a request the scheduler does not list as reported, is not recomputed: the caller then
+fails it alone (``request_failed``).
+
+Why it is safe: the load was reported, so the worker no longer writes the blocks; the
+blocks were allocated with caching delayed until the promotion (``delay_cache_blocks``), so
+freeing them publishes nothing; the connector forgets the request's old block ids at its
+next lookup (both connectors reset the request's per-lookup state there, as after a
+preemption). Proven in the replay by the KV-content oracle and the generated tokens on the
+waiting-scan traces (``tests/vllm/test_wait_bound.py``) and by the differential fuzz.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Callable
+
+__all__ = ["promoter", "recompute_reported", "releases", "reset"]
+
+_lock = threading.Lock()
+#: scheduler class -> the name of its promotion method, or None (none found)
+_promoters: dict[type, str | None] = {}
+
+
+def reset() -> None:
+    """Forget the promotion methods found (tests)."""
+    with _lock:
+        _promoters.clear()
+        _releases.clear()
+
+
+def _source(fn: Any) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _find(cls: type) -> str | None:
+    update = getattr(cls, "_update_waiting_for_remote_kv", None)
+    body = _source(update)
+    if not ("failed_recving_kv_req_ids" in body and "kv_cache_manager.free(request)" in body):
+        return None
+    found = []
+    for name, fn in inspect.getmembers(cls, inspect.isfunction):
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params != ["self", "request"] or name == "_update_waiting_for_remote_kv":
+            continue
+        src = _source(fn)
+        if ("WAITING_FOR_REMOTE_KVS" in src and "finished_recving_kv_req_ids" in src
+                and "self._update_waiting_for_remote_kv(request)" in src):
+            found.append(name)
+    return found[0] if len(found) == 1 else None
+
+
+def promoter(scheduler: Any) -> Callable[[Any], Any] | None:
+    """The bound promotion method of ``scheduler`` (module doc), or None when its class
+    has none or more than one candidate. Found once per scheduler class."""
+    cls = type(scheduler)
+    with _lock:
+        if cls not in _promoters:
+            _promoters[cls] = _find(cls)
+        name = _promoters[cls]
+    return getattr(scheduler, name) if name is not None else None
+
+
+def recompute_reported(scheduler: Any, request: Any) -> bool:
+    """Send ``request`` (a vLLM ``Request`` in ``WAITING_FOR_REMOTE_KVS`` whose load the
+    scheduler lists in ``finished_recving_kv_req_ids``) back to be computed from scratch
+    through vLLM's failed-receive path (module doc): its GPU blocks are freed now and it is
+    ``WAITING`` (or ``PREEMPTED``) again. True when done; False, with nothing changed, when
+    the release has no such path or the request is not a reported load. Exceptions from
+    vLLM's own promotion propagate (the caller counts them and fails the request instead).
+    """
+    if scheduler is None:
+        return False
+    promote = promoter(scheduler)
+    finished = getattr(scheduler, "finished_recving_kv_req_ids", None)
+    failed = getattr(scheduler, "failed_recving_kv_req_ids", None)
+    rid = request.request_id
+    if promote is None or finished is None or failed is None or rid not in finished:
+        return False
+    if request.status.name != "WAITING_FOR_REMOTE_KVS":
+        return False
+    failed.add(rid)
+    request.num_computed_tokens = 0
+    promote(request)
+    for release in releases(scheduler):
+        release(request)
+    return True
+
+
+def _release_calls(fn: Any, unreserve: bool) -> list[tuple[str, str | None]]:
+    """The statements of ``fn`` (a scheduler method) that take a request out of the
+    scheduler's admission bookkeeping: ``self.<attr>.discard(request)`` -> ``(attr, "discard")``
+    and, with ``unreserve``, ``self.<method>(request)`` of a method named ``_unreserve*`` ->
+    ``(method, None)``."""
+    import ast
+    import textwrap
+
+    src = _source(fn)
+    if not src:
+        return []
+    try:
+        tree = ast.parse(textwrap.dedent(src))
+    except SyntaxError:
+        return []
+    out: list[tuple[str, str | None]] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+            continue
+        call = node.value
+        if len(call.args) != 1 or not (isinstance(call.args[0], ast.Name) and call.args[0].id == "request"):
+            continue
+        f = call.func
+        if (isinstance(f, ast.Attribute) and f.attr == "discard" and isinstance(f.value, ast.Attribute)
+                and isinstance(f.value.value, ast.Name) and f.value.value.id == "self"):
+            out.append((f.value.attr, "discard"))
+        elif (unreserve and isinstance(f, ast.Attribute) and f.attr.startswith("_unreserve")
+              and isinstance(f.value, ast.Name) and f.value.id == "self"):
+            out.append((f.attr, None))
+    return out
+
+
+#: scheduler class -> its admission-bookkeeping releases (:func:`releases`)
+_releases: dict[type, list[tuple[str, str | None]]] = {}
+
+
+def releases(scheduler: Any) -> list[Callable[[Any], Any]]:
+    """What the release does to a request's admission bookkeeping when the request gives
+    its blocks back, read from its own code: every ``self.<set>.discard(request)`` of
+    ``_preempt_request`` (a preempted request is no in-flight prefill any more:
+    ``_inflight_prefills`` on 0.25.1+) and of ``_free_request``, and every
+    ``self._unreserve*(request)`` of ``_free_request`` (0.34.0's parked-load reservation,
+    ``_unreserve_parked``). A recomputed request is in the position of a preempted one (no
+    blocks, back in the queue, computed from scratch): without these releases 0.25.1+'s
+    admission cap keeps counting the blocks it would need as reserved, and the head it
+    gave its blocks to still cannot be admitted (measured: ``stall-remote-kvs-hol-029.jsonl``
+    on 0.29.0 stalled again after the recompute). Bound methods, in source order."""
+    cls = type(scheduler)
+    with _lock:
+        if cls not in _releases:
+            found: list[tuple[str, str | None]] = []
+            for name, unreserve in (("_preempt_request", False), ("_free_request", True)):
+                for item in _release_calls(getattr(cls, name, None), unreserve):
+                    if item not in found:
+                        found.append(item)
+            _releases[cls] = found
+        found = _releases[cls]
+    out = []
+    for attr, method in found:
+        target = getattr(scheduler, attr, None)
+        if method is None:
+            if callable(target):
+                out.append(target)
+        elif target is not None and callable(getattr(target, method, None)):
+            out.append(getattr(target, method))
+    return out

@@ -1,0 +1,97 @@
+"""The differential comparison of a guarded replay with vLLM alone (lab/fuzz/differential.py), without vLLM.
+
+Each verdict is computed from two hand-built replay summaries whose expected verdict follows
+from the ranks in the module's table; every test would fail if a rank or a rule changed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvguard.lab.fuzz import differential
+from kvguard.lab.fuzz.differential import Summary, compare
+
+
+def _result(fates: dict[str, str], wrong: set[str] = frozenset(), survived: bool = True, steps: int = 10):
+    """The fields of a ReplayResult the comparison reads."""
+    return SimpleNamespace(request_fates=dict(fates), wrong_kv_requests=set(wrong),
+                           engine_survived=survived, steps=steps)
+
+
+ALL = {"a": "finished", "b": "finished", "c": "finished"}
+
+
+def test_identical_good_runs_are_the_same_and_a_cut_is_its_price():
+    v = compare(_result(ALL, steps=12), _result(ALL, steps=10),
+                {"promotion_progress:hit_reduced": 1, "wait_bound:hit_reduced": 2, "group_sizes:store_dropped": 1})
+    assert v.verdict == "same" and v.worse == [] and v.better == []
+    assert v.price == ["promotion_progress", "wait_bound"]  # only hit cuts are a price
+    assert v.steps == (12, 10)
+
+
+def test_a_request_vllm_alone_finishes_and_the_guard_fails_is_worse():
+    guarded = _result({**ALL, "b": "failed"})
+    v = compare(guarded, _result(ALL), {"wait_bound:request_failed": 1})
+    assert v.verdict == "worse" and v.worse == ["b"] and v.price == []
+    assert differential.worse_class({"promotion_progress:hit_reduced": 1, "wait_bound:request_failed": 1,
+                                     "x:tolerated": 3}) == "worse-than-vllm-alone after promotion_progress+wait_bound"
+
+
+def test_worse_on_one_request_is_worse_even_when_another_is_better():
+    guarded = _result({"a": "failed", "b": "finished", "c": "finished"})
+    plain = _result({"a": "finished", "b": "unfinished", "c": "finished"})
+    v = compare(guarded, plain, {"wait_bound:recomputed": 1})
+    assert v.verdict == "worse" and v.worse == ["a"] and v.better == ["b"]
+
+
+def test_a_guarded_death_where_vllm_alone_lives_is_worse_with_every_request_equal():
+    v = compare(_result(ALL, survived=False), _result(ALL), {"engine_died": 1})
+    assert v.verdict == "worse" and v.worse == []
+    assert "died where vLLM alone lived" in v.detail()
+
+
+def test_ending_a_stall_is_better_and_wrong_kv_ranks_below_a_stall():
+    stranded = _result({**ALL, "c": "unfinished"})
+    assert compare(_result({**ALL, "c": "failed"}), stranded, {"wait_bound:request_failed": 1}).verdict == "better"
+    assert compare(_result(ALL), stranded, {"wait_bound:recomputed": 1}).better == ["c"]
+    # a request that read wrong KV ranks 0: stranding it instead would be better, serving it right best
+    wrong = _result(ALL, wrong={"a"})
+    assert compare(_result({**ALL, "a": "unfinished"}), wrong, {"x:hit_reduced": 1}).verdict == "better"
+    assert compare(wrong, _result(ALL), {"x:tolerated": 1}).worse == ["a"]
+
+
+def test_surviving_where_vllm_alone_dies_is_better():
+    dead = _result({"a": "finished", "b": "unfinished", "c": "not_arrived"}, survived=False)
+    assert compare(_result(ALL), dead, {"s:tolerated": 1}).verdict == "better"
+
+
+def test_the_same_wrong_outcome_is_no_better_and_has_no_price():
+    both = _result({**ALL, "c": "unfinished"})
+    v = compare(both, _result({**ALL, "c": "unfinished"}), {"load_writes:hit_reduced": 1})
+    assert v.verdict == "no_better" and v.price == []
+    dead = _result(ALL, survived=False)
+    assert compare(dead, _result(ALL, survived=False), {"engine_died": 1}).verdict == "no_better"
+
+
+def test_a_client_abort_counts_as_served_and_a_request_never_sent_as_failed():
+    assert differential.RANK["aborted"] == differential.RANK["finished"]
+    assert differential.RANK["not_arrived"] == differential.RANK["failed"] < differential.RANK["finished"]
+    v = compare(_result({**ALL, "a": "aborted"}), _result(ALL), {"x:hit_reduced": 1})
+    assert v.verdict == "same"
+    v = compare(_result({**ALL, "c": "not_arrived"}), _result(ALL), {"x:request_failed": 1})
+    assert v.verdict == "worse" and v.worse == ["c"]
+
+
+def test_summaries_compare_like_results_and_other_requests_are_refused():
+    g, u = _result({**ALL, "b": "failed"}), _result(ALL)
+    assert compare(Summary.of(g), Summary.of(u), {}).to_json() == compare(g, u, {}).to_json()
+    with pytest.raises(ValueError, match="different requests"):
+        compare(_result({"a": "finished"}), _result({"z": "finished"}), {})
+
+
+def test_acted_leaves_out_the_runners_death_mark():
+    assert differential.acted({"load_coverage:hit_reduced": 1})
+    assert not differential.acted({"engine_died": 1}) and differential.to_compare({"engine_died": 1})
+    assert not differential.to_compare({})
