@@ -155,8 +155,10 @@ bench-lockstep:
 	.venvs/vllm-0.33.0/bin/python bench/replay_overhead.py
 
 ## fuzz: kvguard's reliability figure: on every full release and each of FUZZ_SEEDS, an
-## unhinted --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, one
-## table (FUZZ_FLAGS=--guarded-only: the guarded goals alone, half the time)
+## unhinted --no-guard search and a guarded run over the same FUZZ_EXAMPLES examples, both
+## connectors drawn per example, every example where kvguard acted replayed unguarded too
+## (the differential: 0 worse than vLLM alone), one table (FUZZ_FLAGS=--guarded-only: the
+## guarded goals alone, half the time)
 FUZZ_EXAMPLES ?= 5000
 FUZZ_SEEDS ?= 1 2 3
 FUZZ_FLAGS ?=
