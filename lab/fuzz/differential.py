@@ -13,7 +13,10 @@ client gets (:data:`RANK`, higher is better):
 3     ``finished`` with the right KV, or ``aborted`` by the trace (the client's own choice)
 2     ``failed``: ended with an error status its client sees; ``not_arrived``: never sent,
       because a request it waits for failed (an agent's next turn after an error)
-1     ``unfinished``: arrived and never ended (stranded in a stall, or lost with the engine)
+1     ``unfinished``: arrived and never ended (stranded in a stall, or lost with the engine);
+      ``not_arrived`` in a replay whose engine died (lost with it: ranking it 2 made a guarded
+      run that lived longer before the same worker-model death look worse, 88 false
+      ``worse`` verdicts in the first full run, 5 Dec 2026)
 0     read wrong KV (the KV-content oracle found one of its blocks wrong), whatever its end:
       an engine that serves wrong KV is worse than one that crashes
 ====  =======================================================================================
@@ -90,9 +93,15 @@ def ranks(result: Any) -> dict[str, int]:
     from the fates (a replay that never built its engine) is not ranked.
     """
     wrong = result.wrong_kv_requests
+    died = not result.engine_survived
     out = {}
     for rid, fate in (result.request_fates or {}).items():
-        out[rid] = WRONG_KV_RANK if rid in wrong else RANK[fate]
+        if rid in wrong:
+            out[rid] = WRONG_KV_RANK
+        elif died and fate == "not_arrived":
+            out[rid] = RANK["unfinished"]  # never served: lost with the engine, not failed
+        else:
+            out[rid] = RANK[fate]
     return out
 
 

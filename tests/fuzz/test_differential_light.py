@@ -95,3 +95,12 @@ def test_acted_leaves_out_the_runners_death_mark():
     assert differential.acted({"load_coverage:hit_reduced": 1})
     assert not differential.acted({"engine_died": 1}) and differential.to_compare({"engine_died": 1})
     assert not differential.to_compare({})
+
+
+def test_a_request_never_sent_because_the_engine_died_is_lost_not_failed():
+    """vLLM alone dies early (its pending requests never arrive); the guarded engine lives
+    longer and dies of the same worker fault later with those requests in flight: not worse."""
+    plain = _result({"a": "finished", "b": "not_arrived"}, survived=False)
+    guarded = _result({"a": "finished", "b": "unfinished"}, survived=False)
+    assert differential.ranks(plain)["b"] == differential.RANK["unfinished"]
+    assert compare(guarded, plain, {"group_sizes_consistency:store_dropped": 1}).verdict == "no_better"
