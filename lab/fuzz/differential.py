@@ -170,12 +170,18 @@ def compare(guarded: Any, unguarded: Any, actions: dict[str, int]) -> Verdict:
     return Verdict(verdict, worse, better, gs, us, price, (g.steps, u.steps))
 
 
+def acting_checks(actions: dict[str, int]) -> list[str]:
+    """The checks that acted in a replay other than by tolerating (``check:action`` keys
+    with a count), sorted."""
+    return sorted({k.split(":", 1)[0] for k, v in actions.items()
+                   if v and ":" in k and not k.endswith(":tolerated")})
+
+
 def worse_class(actions: dict[str, int]) -> str:
     """The class name of a ``worse`` example: :data:`WORSE_CLASS` and the checks that acted
     other than by tolerating (``after load_writes+wait_bound``), so shrinking keeps
     the same checks acting."""
-    acting = sorted({k.split(":", 1)[0] for k, v in actions.items()
-                     if v and ":" in k and not k.endswith(":tolerated")})
+    acting = acting_checks(actions)
     if not acting:
         acting = sorted({k.split(":", 1)[0] for k in actions if ":" in k})
     return f"{WORSE_CLASS} after {'+'.join(acting) or 'nothing'}"

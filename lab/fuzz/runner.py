@@ -243,17 +243,6 @@ def _run_once(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | 
     return cls.classify(result, capture.frames, actions), result
 
 
-def _acting_checks(actions: dict[str, int]) -> list[str]:
-    """The checks that acted in a replay other than by tolerating (``check:action`` keys)."""
-    return sorted({k.split(":", 1)[0] for k in actions if ":" in k and not k.endswith(":tolerated")})
-
-
-def _differential_verdicts() -> tuple[str, ...]:
-    from kvguard.lab.fuzz.differential import VERDICTS
-
-    return VERDICTS
-
-
 def startup_refusal(engine: Any) -> str | None:
     """Why vLLM's start-up check would refuse this KV cache, or None.
 
@@ -500,7 +489,7 @@ def fuzz(
     a hit vLLM alone served whole (``price``).
     """
     from kvguard.lab.fuzz import strategies
-    from kvguard.lab.fuzz.differential import Summary, acted, to_compare
+    from kvguard.lab.fuzz.differential import VERDICTS, Summary, acted, acting_checks, to_compare
     from kvguard.lab.replay import harness
     from kvguard.lab.replay.trace import load_trace
 
@@ -540,7 +529,7 @@ def fuzz(
     }
     # the differential comparison of each acted example (lab/fuzz/differential.py):
     # verdict -> examples, and per check the examples where it cut a hit vLLM alone served
-    differential_counts: dict[str, int] = {v: 0 for v in _differential_verdicts()}
+    differential_counts: dict[str, int] = {v: 0 for v in VERDICTS}
     price: dict[str, int] = {}
     # per check that acted (any action but tolerated): verdict -> examples
     by_check: dict[str, dict[str, int]] = {}
@@ -622,7 +611,7 @@ def fuzz(
                 differential_counts[verdict.verdict] += 1
                 for check in verdict.price:
                     price[check] = price.get(check, 0) + 1
-                for check in _acting_checks(outcome.actions):
+                for check in acting_checks(outcome.actions):
                     row = by_check.setdefault(check, {v: 0 for v in differential_counts})
                     row[verdict.verdict] += 1
                 add_findings(index, trace, outcome, outcome.findings[before:])
