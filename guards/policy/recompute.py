@@ -48,7 +48,7 @@ import inspect
 import threading
 from typing import Any, Callable
 
-__all__ = ["promoter", "recompute_reported", "releases", "reset"]
+__all__ = ["promoter", "recompute_reported", "recompute_unloaded", "can_recompute", "releases", "reset"]
 
 _lock = threading.Lock()
 #: scheduler class -> the name of its promotion method, or None (none found)
@@ -56,10 +56,11 @@ _promoters: dict[type, str | None] = {}
 
 
 def reset() -> None:
-    """Forget the promotion methods found (tests)."""
+    """Forget the promotion methods found and the admissions waiting to be recomputed (tests)."""
     with _lock:
         _promoters.clear()
         _releases.clear()
+        _unloaded.clear()
 
 
 def _source(fn: Any) -> str:
@@ -192,3 +193,97 @@ def releases(scheduler: Any) -> list[Callable[[Any], Any]]:
         elif target is not None and callable(getattr(target, method, None)):
             out.append(getattr(target, method))
     return out
+
+
+#: id(scheduler) -> {request_id: callback(action)}: admissions to recompute at the end of
+#: the ``schedule()`` that admitted them (:func:`recompute_unloaded`)
+_unloaded: dict[int, dict[str, Callable[[str], None]]] = {}
+
+
+def can_recompute(scheduler: Any) -> bool:
+    """Whether ``scheduler`` offers the failed-receive path :func:`recompute_reported` takes
+    (its promotion method found by structure, and both receive sets)."""
+    return (scheduler is not None and promoter(scheduler) is not None
+            and isinstance(getattr(scheduler, "finished_recving_kv_req_ids", None), set)
+            and isinstance(getattr(scheduler, "failed_recving_kv_req_ids", None), set))
+
+
+def recompute_unloaded(scheduler: Any, connector_scheduler: Any, request: Any,
+                       done: Callable[[str], None]) -> bool:
+    """Recompute, instead of failing, a request admitted with a load that kvguard refused
+    before it was issued (the exclusive-block check: the connector was told the request
+    loads nothing, :mod:`kvguard.guards.checks.admission.exclusive`).
+
+    vLLM goes on with the admission it began: an asynchronous load parks the request in
+    ``WAITING_FOR_REMOTE_KVS`` holding the blocks just allocated (``delay_cache_blocks``:
+    none of them published), and it would wait for a load that no worker will report. At
+    the end of that ``schedule()`` (the connector scheduler's ``build_connector_meta``,
+    wrapped once), kvguard lists it as reported (``finished_recving_kv_req_ids``) and runs
+    :func:`recompute_reported`: vLLM's failed-receive path with nothing valid frees its
+    blocks and makes it ``WAITING`` again, to be looked up and allocated afresh at a later
+    step. Its KV is never read from the refused blocks.
+
+    ``done(action)`` is called then with what happened: ``recomputed``; ``request_failed``
+    where the request was not parked as expected or vLLM's path failed (it is then failed
+    alone, :func:`kvguard.guards.policy.degrade.fail_unloaded`); ``raised`` where vLLM
+    scheduled it for compute in that very step (a synchronous load: the forward would run
+    on the refused blocks, so the engine dies with ``AssertionError``, a dead engine being
+    better than wrong KV). Returns False, with nothing registered, where the release offers
+    no failed-receive path (:func:`can_recompute`): the caller fails the request itself.
+    """
+    if connector_scheduler is None or not can_recompute(scheduler):
+        return False
+    _wrap_build_connector_meta(connector_scheduler, scheduler)
+    with _lock:
+        _unloaded.setdefault(id(scheduler), {})[request.request_id] = done
+    return True
+
+
+def _wrap_build_connector_meta(cs: Any, scheduler: Any) -> None:
+    if getattr(cs, "_kvguard_recompute_wrapped", False):
+        return
+    orig = cs.build_connector_meta
+
+    def build_connector_meta(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        with _lock:
+            pending = _unloaded.pop(id(scheduler), {})
+        if pending:
+            _recompute_admitted(scheduler, cs, scheduler_output, pending)
+        return orig(scheduler_output, *args, **kwargs)
+
+    cs.build_connector_meta = build_connector_meta
+    cs._kvguard_recompute_wrapped = True
+
+
+def _recompute_admitted(scheduler: Any, cs: Any, scheduler_output: Any,
+                        pending: dict[str, Callable[[str], None]]) -> None:
+    from kvguard.guards import names
+    from kvguard.guards.policy import degrade
+    from kvguard.guards.telemetry import counts
+
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    for rid, done in pending.items():
+        request = scheduler.requests.get(rid)
+        if request is None or request.is_finished():
+            continue
+        if rid in scheduled:
+            done(names.ACTION_RAISED)
+            raise AssertionError(f"kvguard: request {rid} was refused its load and scheduled for compute "
+                                 "in the same step (synchronous load)")
+        ok = False
+        if request.status.name == "WAITING_FOR_REMOTE_KVS" and rid not in scheduler.finished_recving_kv_req_ids:
+            scheduler.finished_recving_kv_req_ids.add(rid)
+            try:
+                ok = recompute_reported(scheduler, request)
+            except Exception as error:  # vLLM's path failed: fail the request alone instead
+                counts.guard_error(names.STAGE_REQUEST_FAIL, error)
+            if not ok:
+                scheduler.finished_recving_kv_req_ids.discard(rid)
+                scheduler.failed_recving_kv_req_ids.discard(rid)
+        if ok:
+            done(names.ACTION_RECOMPUTED)
+        elif degrade.fail_unloaded(scheduler, cs, rid, f"kvguard: request {rid} could not be recomputed"):
+            done(names.ACTION_REQUEST_FAILED)
+        else:
+            done(names.ACTION_RAISED)
+            raise AssertionError(f"kvguard: request {rid} could be neither recomputed nor failed")

@@ -23,6 +23,9 @@ class Req:
         self.num_computed_tokens = 96
         self.num_preemptions = preemptions
 
+    def is_finished(self) -> bool:
+        return False
+
 
 class KVManager:
     def __init__(self) -> None:
@@ -115,3 +118,63 @@ def test_the_releases_are_read_from_the_preemption_and_the_free():
     assert [m.__self__ for m in recompute.releases(Scheduler())] != []
     assert recompute._release_calls(Scheduler._preempt_request, False) == [("_inflight_prefills", "discard")]
     assert recompute._release_calls(Scheduler._free_request, True) == [("_inflight_prefills", "discard")]
+
+
+# -- recompute_unloaded: an admission whose load kvguard refused (block_exclusive) ----------
+
+class AdmittingScheduler(Scheduler):
+    def __init__(self, *reqs: Req) -> None:
+        super().__init__()
+        self.requests = {r.request_id: r for r in reqs}
+
+
+
+class ConnectorScheduler:
+    def __init__(self) -> None:
+        self.built: list[object] = []
+
+    def build_connector_meta(self, scheduler_output):
+        self.built.append(scheduler_output)
+        return "meta"
+
+
+class Output:
+    def __init__(self, scheduled: dict[str, int]) -> None:
+        self.num_scheduled_tokens = scheduled
+
+
+def test_a_refused_admission_is_recomputed_at_the_end_of_its_schedule():
+    req = Req("r")
+    sched, cs, done = AdmittingScheduler(req), ConnectorScheduler(), []
+    assert recompute.recompute_unloaded(sched, cs, req, done.append) is True
+    assert done == [] and sched.kv_cache_manager.freed == []  # nothing before vLLM finished the admission
+    out = Output({"other": 16})
+    assert cs.build_connector_meta(out) == "meta" and cs.built == [out]  # vLLM's own method still runs
+    assert done == ["recomputed"]
+    assert sched.kv_cache_manager.freed == ["r"] and sched.kv_cache_manager.cached == []  # nothing published
+    assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+    assert sched.finished_recving_kv_req_ids == set() and sched.failed_recving_kv_req_ids == set()
+    cs.build_connector_meta(Output({}))
+    assert done == ["recomputed"]  # once
+
+
+def test_a_refused_admission_scheduled_for_compute_in_the_same_step_kills_the_engine():
+    req = Req("r")
+    sched, cs, done = AdmittingScheduler(req), ConnectorScheduler(), []
+    assert recompute.recompute_unloaded(sched, cs, req, done.append)
+    try:
+        cs.build_connector_meta(Output({"r": 16}))
+    except AssertionError as error:
+        assert "scheduled for compute" in str(error)
+    else:
+        raise AssertionError("a forward on refused blocks must not run")
+    assert done == ["raised"] and sched.kv_cache_manager.freed == []
+
+
+def test_a_release_without_the_failed_receive_path_is_not_registered():
+    req = Req("r")
+    other = NoFailedPath()
+    other.requests = {"r": req}
+    assert recompute.can_recompute(other) is False
+    assert recompute.recompute_unloaded(other, ConnectorScheduler(), req, lambda a: None) is False
+    assert recompute.recompute_unloaded(AdmittingScheduler(req), None, req, lambda a: None) is False

@@ -18,7 +18,7 @@ scheduler's ``requests``), ``free_blocks`` / ``num_gpu_blocks`` (block pool at t
 ``req_status_left`` (ids the connector scheduler still tracks) and ``events`` (the
 guard's ``check_failed`` / ``store_dropped`` events), ``outputs`` (per finished request,
 the token ids it generated) and ``allocs`` (per request whose external hit vLLM passed to
-the connector's ``update_state_after_alloc``: ``external_tokens``, the GPU ``block_ids``
+the connector's ``update_state_after_alloc``, its first such admission: ``external_tokens``, the GPU ``block_ids``
 of each KV cache group and ``doubly_held``, the non-null block ids that appear in more
 than one group of that one request: one physical block handed out twice, the #43884
 mechanism) and ``violations`` (the non-zero series of
@@ -80,7 +80,7 @@ def replay(trace, guard: bool) -> dict:
     update_state_after_alloc = engine.connector.update_state_after_alloc
 
     def recording_update_state_after_alloc(request, blocks, num_external_tokens):
-        if num_external_tokens:
+        if num_external_tokens and request.request_id not in allocs:  # its first admission with a load
             per_group = [[b.block_id for b in group if not b.is_null] for group in blocks.blocks]
             seen = [set(ids) for ids in per_group]
             allocs[request.request_id] = {

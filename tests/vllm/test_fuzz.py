@@ -399,12 +399,12 @@ def test_run_example_replays_with_the_traces_worker_model():
     assert "get_finished" in finding.name and "success" in (result.error or "")
     assert "does not support failed transfers" in runner.known_issue(finding.name, result.error)
 
-#: The one "guard made it worse" class still open, by release (docs/fuzz.md "Differential
-#: fuzzing"; issue 41 stays open on it): on 0.21.0 ``block_exclusive`` fails a request whose
-#: admission gives a GPU block twice (#43884's class), and requests that vLLM alone serves
-#: after it (reading what that request wrote) count as served right there. Listed by name so
-#: that any other worse class, on any release, fails these tests.
-OPEN_WORSE = {"0.21.0": {"worse-than-vllm-alone after block_exclusive"}}
+#: "Guard made it worse" classes still open, by release: none (docs/fuzz.md "Differential
+#: fuzzing"). The last two were closed on 5 Dec 2026: 0.21.0's ``block_exclusive`` now
+#: recomputes the request it refused instead of failing it, and the generator no longer draws
+#: failed transfers on a release whose worker asserts they never happen. Any worse class, on
+#: any release, fails these tests.
+OPEN_WORSE: dict[str, set[str]] = {}
 
 
 def _open_worse_only(r: dict) -> None:

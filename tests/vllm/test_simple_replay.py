@@ -161,7 +161,7 @@ def _two_phase_allocation() -> bool:
     return hasattr(SingleTypeKVCacheManager, "add_local_computed_blocks")
 
 
-def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_failed_request_with_it() -> None:
+def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_recompute_with_it() -> None:
     trace = load_trace(str(TRACES / "simple-33775.jsonl"))
     _, plain = _replay(guard=False, trace=trace)
     _, observed = _replay(guard=True, trace=trace, policy="observe")
@@ -180,10 +180,12 @@ def test_a_block_given_twice_is_wrong_kv_without_the_guard_and_one_failed_reques
     # every admission of that request sees it (the load, then its resumption: 0.21.0 calls
     # update_state_after_alloc again when the loaded request is scheduled)
     assert observed.checks["block_exclusive"]["continued"] >= 1 and observed.failed_requests == []
-    assert guarded.ok and guarded.wrong_kv_blocks == 0
-    assert [f["request_id"] for f in guarded.failed_requests] == ["agent-1/turn-1"]
-    assert "block_exclusive" in guarded.failed_requests[0]["error"]
-    assert checks["request_failed"] == 1 and guarded.finished == guarded.submitted - 1
+    # guarded: the request's load is refused and it is recomputed through vLLM's
+    # failed-receive path (its retry shares no block): every request finishes right
+    assert guarded.ok and guarded.wrong_kv_blocks == 0 and guarded.failed_requests == []
+    assert checks["recomputed"] == 1 and checks["request_failed"] == 0 and checks["raised"] == 0
+    assert guarded.finished == guarded.submitted == plain.submitted
+    assert guarded.outputs == plain.outputs  # the simulated tokens; the KV under them is the oracle's
 
 
 def test_the_wait_bound_ends_a_simple_connector_wait_vllm_never_ends() -> None:

@@ -151,6 +151,27 @@ def test_a_failed_transfer(fault: str, guard: bool) -> None:
         }
 
 
+def test_the_fuzzer_draws_failed_transfers_only_where_the_release_supports_them() -> None:
+    """The generator draws a failed transfer only where the installed worker reports one and
+    goes on (0.34.0); where it asserts every transfer succeeded (0.21.0-0.33.0, read from its
+    code) no generated trace fails a job, its latencies still drawn, and ``not_generated``
+    names the assert. Drawn there, the lab's own fault killed both engines wherever a
+    schedule put it, and a guard that moved the schedule looked worse than vLLM alone."""
+    from kvguard.lab.fuzz import runner, strategies
+
+    site = vllm_api.failed_transfer_assert()
+    workers = [t.worker for t in runner.generate(7, 60) if t.geometry.connector != "SimpleCPUOffloadConnector"]
+    assert len(workers) > 20
+    failing = [w for w in workers if w.load_faults.rate or w.store_faults.rate]
+    slow = [w for w in workers if w.load_latency.max or w.store_latency.max]
+    assert slow  # the latency draws stay
+    listed = {n["field"]: n["reason"] for n in strategies.not_generated()}
+    if site is None:
+        assert failing and "worker.fail_loads/fail_stores" not in listed
+    else:
+        assert failing == [] and site in listed["worker.fail_loads/fail_stores"]
+
+
 def test_the_dependants_of_a_request_failed_after_its_load_never_arrive() -> None:
     """A request that waits for one vLLM failed (0.34.0: its load failed, policy "fail")
     never arrives, nor does one that waits for it: the replay ends, no stall. Before the

@@ -36,11 +36,21 @@ after ``allocate_slots``):
 - ``strict``: counted (``raised``), :class:`~kvguard.guards.checks.admission.counters.StrictFailure`.
 - ``guard`` (vLLM 0.21.0 produces it with external tokens): the connector is
   told the request loads nothing (vLLM's own method with ``num_external_tokens=0``: it
-  takes no load and releases what its lookup pinned), then the request fails alone through
-  :func:`kvguard.guards.policy.degrade.fail_unloaded` (``request_failed``: finished with
-  ``FINISHED_ERROR`` at the next ``update_from_output``, its blocks freed, its client told);
-  no engine-wide effect. Without a ``Scheduler`` to bind: ``raised``, the engine dies,
-  as a dead engine is better than one that serves wrong KV.
+  takes no load and releases what its lookup pinned), then the request is **recomputed**
+  (``recomputed``, :func:`kvguard.guards.policy.recompute.recompute_unloaded`): at the end
+  of the ``schedule()`` that admitted it, vLLM's own failed-receive path frees the blocks
+  it was given and makes it ``WAITING`` again, to be looked up and allocated afresh. The
+  retry cannot meet the same shared block: popping a cached block from the free queue
+  evicts its hash (``BlockPool.get_new_blocks``), so the hit that group took is gone, and
+  each repeat evicts another one. Failing the request instead (the action until 5 Dec
+  2026) was worse than vLLM alone wherever nothing read the page written twice before the
+  request ended (differential fuzz, 0.21.0: a request the client aborted two steps later,
+  failed by kvguard). Where the release has no failed-receive path, the request fails
+  alone through :func:`kvguard.guards.policy.degrade.fail_unloaded` (``request_failed``:
+  finished with ``FINISHED_ERROR`` at the next ``update_from_output``, its blocks freed,
+  its client told). Without a ``Scheduler`` to bind, or where vLLM schedules the request
+  for compute in the same step (a synchronous load): ``raised``, the engine dies, as a dead
+  engine is better than one that serves wrong KV.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.checks.admission import counters
-from kvguard.guards.policy import degrade, runtime
+from kvguard.guards.policy import degrade, recompute, runtime
 
 __all__ = ["shared_blocks", "exclusive_wrapper", "scheduler_sides", "snapshot", "bind_call"]
 
@@ -88,9 +98,10 @@ def shared_blocks(block_ids_by_group: Any) -> list[int]:
 
 def snapshot() -> dict[str, int]:
     """In-process counts since :func:`counters.reset`: ``evaluated`` (admissions checked),
-    ``request_failed``, ``continued``, ``raised`` and ``violations`` (their sum)."""
-    out = {k: counters.stats.get(PREFIX + k, 0) for k in ("evaluated", "request_failed", "continued", "raised")}
-    out["violations"] = out["request_failed"] + out["continued"] + out["raised"]
+    ``recomputed``, ``request_failed``, ``continued``, ``raised`` and ``violations`` (their sum)."""
+    out = {k: counters.stats.get(PREFIX + k, 0)
+           for k in ("evaluated", "recomputed", "request_failed", "continued", "raised")}
+    out["violations"] = out["recomputed"] + out["request_failed"] + out["continued"] + out["raised"]
     return out
 
 
@@ -148,6 +159,12 @@ def exclusive_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         _record(names.ACTION_RAISED, request, shared, num_external_tokens, policy)
         raise AssertionError(what)
     result = wrapped(request, blocks, 0)  # the connector takes no load, releases its pin
+
+    def done(action: str) -> None:
+        _record(action, request, shared, num_external_tokens, policy)
+
+    if recompute.recompute_unloaded(scheduler, instance, request, done):
+        return result  # recomputed (or failed) at the end of this schedule(): ``done`` counts it
     if not degrade.fail_unloaded(scheduler, instance, rid, what + "; request failed alone"):
         _record(names.ACTION_RAISED, request, shared, num_external_tokens, policy)
         raise AssertionError(what)
