@@ -78,7 +78,8 @@ What each policy does with a stalled wait
                 request's blocks any more: vLLM's own failed-receive path frees them and
                 sends the request back to ``WAITING``, to be computed from scratch
                 (``action="recomputed"``, :mod:`kvguard.guards.policy.recompute`: a prefill
-                instead of the request), on every release whose scheduler has that path
+                instead of the request; its retry is answered no load, so it is admitted
+                computing and cannot park behind the same head again), on every release whose scheduler has that path
                 (bound by structure; 0.21.0-0.34.0 all have it). Where none is found the
                 request fails alone, as below.
               - ``transfers_in_flight`` and ``load_in_flight``: the connector cannot
@@ -428,6 +429,7 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
             _count(wait, names.ACTION_CONTINUED, policy, None)
         elif kind == names.WAIT_LOAD_NOT_PROMOTED and _recompute(scheduler, request):
             del table.waits[rid]  # WAITING again, blocks freed: the wait ended
+            recompute.mark_recomputed(cs, scheduler, rid)  # and its retry computes, never parks again
             _count(wait, names.ACTION_RECOMPUTED, policy, None)
         elif degrade.fail_waiting(scheduler, cs, rid, message):
             _count(wait, names.ACTION_REQUEST_FAILED, policy, None)

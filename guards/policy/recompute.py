@@ -34,6 +34,25 @@ there, ``_reserve_parked``, exactly as for any promotion). A release without suc
 or a request the scheduler does not list as reported, is not recomputed: the caller then
 fails it alone (``request_failed``).
 
+A recomputed request is computed, never loaded again in its retry
+-----------------------------------------------------------------
+
+The retry is looked up afresh, and the CPU tier usually still holds the hit it was
+recomputed from: answered as vLLM answers it, the retry parks again with a fresh load,
+holding the same blocks, behind the same head, and the wait it left begins again; a
+bound that ends a wait into the same wait ends nothing (measured: fuzz seed 0 on 0.21.0,
+example 140: recomputed every 32 steps, two requests never finished). So "recomputed"
+means what it says: :func:`mark_recomputed` lists the request on its connector
+scheduler (:data:`RECOMPUTE_ATTR`), and every lookup that would give it a hit while it is
+still waiting answers ``(0, False)`` instead (:func:`without_load`, called from both
+connectors' admission checks). That is the answer of any reduced hit (safe for the same
+reasons: the connector's own ``update_state_after_alloc`` takes no load and releases its
+pin); the request is admitted ``RUNNING`` with its local prefix-cache hit and computes
+the rest, so it makes progress in the step it is admitted, and once admitted (or
+finished) it leaves the list: a later preemption looks up normally. The same holds after
+the exclusive-block refusal (:func:`recompute_unloaded`): its retry, loading nothing, is
+outside that check's scope by construction.
+
 Why it is safe: the load was reported, so the worker no longer writes the blocks; the
 blocks were allocated with caching delayed until the promotion (``delay_cache_blocks``), so
 freeing them publishes nothing; the connector forgets the request's old block ids at its
@@ -48,7 +67,8 @@ import inspect
 import threading
 from typing import Any, Callable
 
-__all__ = ["promoter", "recompute_reported", "recompute_unloaded", "can_recompute", "releases", "reset"]
+__all__ = ["promoter", "recompute_reported", "recompute_unloaded", "can_recompute", "releases", "reset",
+           "RECOMPUTE_ATTR", "mark_recomputed", "without_load", "snapshot"]
 
 _lock = threading.Lock()
 #: scheduler class -> the name of its promotion method, or None (none found)
@@ -61,6 +81,14 @@ def reset() -> None:
         _promoters.clear()
         _releases.clear()
         _unloaded.clear()
+        _stats.clear()
+
+
+def snapshot() -> dict[str, int]:
+    """In-process counts: ``marked`` (requests recomputed, their next admissions without a
+    load) and ``loads_refused`` (lookups of such a request answered ``(0, False)``)."""
+    with _lock:
+        return dict(_stats)
 
 
 def _source(fn: Any) -> str:
@@ -195,6 +223,53 @@ def releases(scheduler: Any) -> list[Callable[[Any], Any]]:
     return out
 
 
+#: counts for :func:`snapshot`
+_stats: dict[str, int] = {}
+
+#: attribute of a connector scheduler (its ``__dict__``): ids of the requests kvguard
+#: recomputed that have not been admitted again (:func:`without_load`)
+RECOMPUTE_ATTR = "_kvguard_recompute_ids"
+
+
+def mark_recomputed(cs: Any, scheduler: Any, request_id: str) -> None:
+    """List ``request_id`` on connector scheduler ``cs``: its lookups answer no load until it
+    is admitted (module doc). The list is pruned at the end of every ``schedule()`` of
+    ``scheduler`` (vLLM's ``Scheduler``): an id whose request is no longer ``WAITING`` /
+    ``PREEMPTED`` (admitted, finished, aborted) leaves it."""
+    ids = cs.__dict__.get(RECOMPUTE_ATTR)
+    if ids is None:
+        ids = cs.__dict__[RECOMPUTE_ATTR] = set()
+    ids.add(request_id)
+    _wrap_build_connector_meta(cs, scheduler)
+    with _lock:
+        _stats["marked"] = _stats.get("marked", 0) + 1
+
+
+def without_load(cs: Any, request: Any, answer: Any) -> Any:
+    """The lookup answer for ``request`` on connector scheduler ``cs``: ``(0, False)`` when
+    ``answer`` (vLLM's ``(num_external_tokens | None, load_kv_async)``) is a hit and kvguard
+    recomputed the request (:func:`mark_recomputed`), else ``answer`` itself. O(1); the
+    callers test ``cs.__dict__.get(RECOMPUTE_ATTR)`` first, so an engine that never
+    recomputed pays one dict read per lookup."""
+    ids = cs.__dict__.get(RECOMPUTE_ATTR)
+    if ids and answer is not None and answer[0] and request.request_id in ids:
+        with _lock:
+            _stats["loads_refused"] = _stats.get("loads_refused", 0) + 1
+        return (0, False)
+    return answer
+
+
+def _prune(cs: Any, scheduler: Any) -> None:
+    ids = cs.__dict__.get(RECOMPUTE_ATTR)
+    if not ids:
+        return
+    requests = getattr(scheduler, "requests", None) or {}
+    for rid in list(ids):
+        request = requests.get(rid)
+        if request is None or request.is_finished() or request.status.name not in ("WAITING", "PREEMPTED"):
+            ids.discard(rid)
+
+
 #: id(scheduler) -> {request_id: callback(action)}: admissions to recompute at the end of
 #: the ``schedule()`` that admitted them (:func:`recompute_unloaded`)
 _unloaded: dict[int, dict[str, Callable[[str], None]]] = {}
@@ -245,6 +320,8 @@ def _wrap_build_connector_meta(cs: Any, scheduler: Any) -> None:
     orig = cs.build_connector_meta
 
     def build_connector_meta(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if cs.__dict__.get(RECOMPUTE_ATTR):
+            _prune(cs, scheduler)
         with _lock:
             pending = _unloaded.pop(id(scheduler), {})
         if pending:
@@ -281,6 +358,7 @@ def _recompute_admitted(scheduler: Any, cs: Any, scheduler_output: Any,
                 scheduler.finished_recving_kv_req_ids.discard(rid)
                 scheduler.failed_recving_kv_req_ids.discard(rid)
         if ok:
+            mark_recomputed(cs, scheduler, rid)
             done(names.ACTION_RECOMPUTED)
         elif degrade.fail_unloaded(scheduler, cs, rid, f"kvguard: request {rid} could not be recomputed"):
             done(names.ACTION_REQUEST_FAILED)

@@ -178,3 +178,36 @@ def test_a_release_without_the_failed_receive_path_is_not_registered():
     assert recompute.can_recompute(other) is False
     assert recompute.recompute_unloaded(other, ConnectorScheduler(), req, lambda a: None) is False
     assert recompute.recompute_unloaded(AdmittingScheduler(req), None, req, lambda a: None) is False
+
+
+def test_a_recomputed_request_is_answered_no_load_until_it_is_admitted():
+    """The retry of a recomputed request computes: a hit is answered (0, False) while it waits
+    (else it parks again behind the same head: fuzz seed 0 on 0.21.0, example 140), a lookup
+    without a hit passes, another request's hit passes, and once admitted it loads normally."""
+    req, other = Req("r"), Req("o")
+    sched, cs, done = AdmittingScheduler(req, other), ConnectorScheduler(), []
+    assert recompute.without_load(cs, req, (96, True)) == (96, True)  # nothing recomputed yet
+    assert recompute.recompute_unloaded(sched, cs, req, done.append)
+    cs.build_connector_meta(Output({}))
+    assert done == ["recomputed"] and req.status is RequestStatus.WAITING
+    assert recompute.without_load(cs, req, (96, True)) == (0, False)
+    assert recompute.without_load(cs, req, (64, False)) == (0, False)  # a synchronous hit too
+    assert recompute.without_load(cs, req, (None, False)) == (None, False)  # a deferral is the wait bound's
+    assert recompute.without_load(cs, other, (96, True)) == (96, True)
+    cs.build_connector_meta(Output({}))  # still waiting: still listed
+    assert recompute.without_load(cs, req, (32, True)) == (0, False)
+    req.status = RequestStatus.RUNNING  # admitted without a load
+    cs.build_connector_meta(Output({"r": 32}))
+    req.status = RequestStatus.PREEMPTED  # a later preemption looks up as vLLM does
+    assert recompute.without_load(cs, req, (96, True)) == (96, True)
+    assert recompute.snapshot() == {"marked": 1, "loads_refused": 3}
+
+
+def test_a_recomputed_request_that_finishes_while_waiting_leaves_the_list():
+    req = Req("r")
+    sched, cs = AdmittingScheduler(req), ConnectorScheduler()
+    recompute.mark_recomputed(cs, sched, "r")
+    assert recompute.without_load(cs, req, (16, True)) == (0, False)
+    del sched.requests["r"]  # aborted by its client
+    cs.build_connector_meta(Output({}))
+    assert cs.__dict__[recompute.RECOMPUTE_ATTR] == set()

@@ -40,9 +40,10 @@ after ``allocate_slots``):
   (``recomputed``, :func:`kvguard.guards.policy.recompute.recompute_unloaded`): at the end
   of the ``schedule()`` that admitted it, vLLM's own failed-receive path frees the blocks
   it was given and makes it ``WAITING`` again, to be looked up and allocated afresh. The
-  retry cannot meet the same shared block: popping a cached block from the free queue
-  evicts its hash (``BlockPool.get_new_blocks``), so the hit that group took is gone, and
-  each repeat evicts another one. Failing the request instead (the action until 5 Dec
+  retry loads nothing (:func:`kvguard.guards.policy.recompute.without_load`: a retry
+  answered as before parked again and, behind a head waiting for its blocks, never ran),
+  so it is outside this check's scope, and it cannot meet the same shared block anyway:
+  popping a cached block from the free queue evicts its hash (``BlockPool.get_new_blocks``). Failing the request instead (the action until 5 Dec
   2026) was worse than vLLM alone wherever nothing read the page written twice before the
   request ended (differential fuzz, 0.21.0: a request the client aborted two steps later,
   failed by kvguard). Where the release has no failed-receive path, the request fails

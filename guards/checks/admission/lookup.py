@@ -38,7 +38,8 @@ from kvguard.guards.checks.load_coverage import load_set
 from kvguard.guards.checks.offload_plan import PLAN_ATTR, Plan
 from kvguard.guards.checks.tier_removals import unwatch_all as unwatch_removals
 from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN
-from kvguard.guards.policy import runtime
+from kvguard.guards.policy import recompute, runtime
+from kvguard.guards.policy.recompute import RECOMPUTE_ATTR
 
 
 def admit(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -> Any:
@@ -208,6 +209,11 @@ def admit_return(cs: Any, request: Any, num_computed_tokens: int, answer: Any) -
             if table is not None and table.waits:  # a deferral, if any, ended
                 wait_bound.answered(cs, request.request_id)
             return answer
+        if cs.__dict__.get(RECOMPUTE_ATTR):  # a request kvguard recomputed loads nothing
+            out = recompute.without_load(cs, request, answer)
+            if out is not answer:
+                wait_bound.hit_answered(cs, request, False)
+                return out
         # a kept verdict asked again (vLLM asks the head of the waiting queue again
         # every step until its blocks fit: 1,424 of 1,885 lookups on the bench trace,
         # 0.33.0): loadable.verdict_kept and wait_bound.hit_answered written inline,
@@ -277,6 +283,11 @@ def admission_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
                 wait_bound.answered(instance, request.request_id)
             return answer
         request, num_computed_tokens = _bind(wrapped, args, kwargs)
+        if instance.__dict__.get(RECOMPUTE_ATTR):  # a request kvguard recomputed loads nothing
+            out = recompute.without_load(instance, request, answer)
+            if out is not answer:
+                wait_bound.hit_answered(instance, request, False)
+                return out
     except Exception as error:
         runtime.guard_error(names.STAGE_ADMISSION, error)
         return answer

@@ -50,7 +50,7 @@ from typing import Any
 from kvguard.guards import names
 from kvguard.guards.checks import wait_bound
 from kvguard.guards.checks.admission import counters, exclusive
-from kvguard.guards.policy import degrade, runtime
+from kvguard.guards.policy import degrade, recompute, runtime
 
 __all__ = ["unwritten_blocks", "lookup_wrapper", "written_wrapper", "snapshot"]
 
@@ -149,6 +149,12 @@ def lookup_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
             if table is None:
                 table = instance.__dict__[LOCAL_ATTR] = {}
             table[request.request_id] = int(local)
+            if instance.__dict__.get(recompute.RECOMPUTE_ATTR):  # kvguard recomputed it: no load
+                reduced = recompute.without_load(instance, request, answer)
+                if reduced is not answer:
+                    table.pop(request.request_id, None)
+                    wait_bound.observe_answer(instance, request, reduced)
+                    return reduced
             if not runtime.suppress_depth and runtime.policy() == names.POLICY_GUARD:
                 unwritten = predicted_unwritten(instance, request.request_id, int(local), int(answer[0]))
                 if unwritten:
