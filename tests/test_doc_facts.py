@@ -132,3 +132,31 @@ def test_the_check_catches_a_planted_drift(tmp_path, monkeypatch):
     for fact in ("KVGuardNoSuchAlert", "kvguard_no_such_metric_total", "KVGUARD_NO_SUCH_SETTING",
                  "no-such-target", "nostage", "kvguard nocommand"):
         assert fact in text
+
+
+#: project history in a reference page: an issue number, a dated "since" / "until"
+HISTORY_MARK = re.compile(r"\bissue \d+\b|\b(?:since|until) \d{1,2} (?:Nov|Dec)\b|when issue", re.I)
+
+
+def _operate_pages() -> list[str]:
+    """The pages of the site's "Operate" section (mkdocs.yml's nav), read as text: the file
+    carries a ``!!python/name`` tag that ``yaml.safe_load`` refuses."""
+    pages, inside = [], False
+    for line in (ROOT / "mkdocs.yml").read_text().splitlines():
+        if re.match(r"^  - \S", line):
+            inside = line.strip() == "- Operate:"
+            continue
+        if inside:
+            pages += re.findall(r":\s*(\S+\.md)\s*$", line)
+    return pages
+
+
+def test_the_operators_pages_carry_no_project_history():
+    """An operator reads what is true now; the project's history (issue numbers, "since"
+    dates) belongs in the lab notebook (measurements.md, ci-times.md, fuzz.md)."""
+    pages = _operate_pages()
+    assert "deploy.md" in pages and "runbooks/VLLMEngineDown.md" in pages  # the section was read
+    found = [f"docs/{p}:{n}: {m.group(0)}" for p in pages
+             for n, line in enumerate((ROOT / "docs" / p).read_text().splitlines(), 1)
+             for m in [HISTORY_MARK.search(line)] if m]
+    assert not found, "\n".join(found)
