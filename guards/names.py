@@ -3,7 +3,7 @@
 Every Prometheus label value and every event key kvguard emits comes from a set in
 this module, so a dashboard or alert can enumerate them. Site ids (the ``site`` label
 of ``kvguard_site_installed``) are discovered from the installed vLLM's source
-(:func:`kvguard.guards.hooking.sites.known_site_ids`): one per assert in scope.
+(:func:`kvguard.guards.site_registry.known_site_ids`): one per assert in scope.
 """
 
 from __future__ import annotations
@@ -417,3 +417,23 @@ KEY_STALE_SECONDS = "stale_seconds"
 KEY_READY_HIT_TOKENS = "ready_hit_tokens"
 DEFAULT_WAIT_BOUND_STEPS = 32
 DEFAULT_WAIT_BOUND_SECONDS = 30.0
+
+# --- site kinds and the names the rewriter injects into vLLM's functions -------------
+#: What a check site is (``Site.kind``): one of vLLM's asserts, the sliding-window bound
+#: assert, a store construction, a request-scoped method, a lookup's ``return``.
+KIND_ASSERT = "assert"
+KIND_WINDOW = "window"
+KIND_STORE_CALL = "store_call"
+KIND_REQUEST_SCOPE = "request_scope"
+KIND_ADMISSION_RETURN = "admission_return"
+#: Globals a rewritten vLLM function reads (names no Python identifier can take, so they
+#: never shadow vLLM's own): :mod:`kvguard.guards.hooking.rewrite` injects them, the checks
+#: they call test a code object for them (``co_names``).
+GLOBAL_CHECK = "@kvguard_check"
+GLOBAL_LOCALS = "@kvguard_locals"
+GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
+GLOBAL_DROP_STORE = "@kvguard_drop_store"
+GLOBAL_REQUEST_FAILED = "@kvguard_RequestFailed"
+GLOBAL_FAIL_REQUEST = "@kvguard_fail_request"
+GLOBAL_CHECK_STORE = "@kvguard_check_store"
+GLOBAL_ADMIT_RETURN = "@kvguard_admit_return"

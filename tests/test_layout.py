@@ -137,6 +137,20 @@ def test_policy_and_telemetry_never_import_a_check():
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
+def test_only_the_hooking_layer_imports_the_hooking_layer():
+    """One-way imports: the hooking layer wires the checks into vLLM's code, so it imports
+    them; a check, the policy and the telemetry never import it back (the names they share
+    with it, the site kinds and the injected globals, are in ``guards/names.py``, the site
+    registry is ``guards/site_registry.py``). Both of those import no subpackage at all."""
+    for lower in ("kvguard.guards.checks", "kvguard.guards.policy", "kvguard.guards.telemetry"):
+        offenders = {m: sorted(t for t in targets if t.startswith("kvguard.guards.hooking"))
+                     for m, targets in _imports_of(lower).items()}
+        assert {m: t for m, t in offenders.items() if t} == {}, lower
+    for shared in ("kvguard.guards.names", "kvguard.guards.site_registry"):
+        graph = import_graph(PACKAGES)
+        assert not [t for t in graph[shared] if t.startswith("kvguard.guards.") and t != "kvguard.guards.names"], shared
+
+
 def test_the_architecture_page_names_every_subpackage_of_the_engine_half():
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     subpackages = sorted(p.parent.name for p in (ROOT / "guards").glob("*/__init__.py"))

@@ -31,9 +31,10 @@ from kvguard.guards import names
 from kvguard.guards.checks import copy_ledger, invariants, offload_plan
 from kvguard.guards.checks.load_coverage import Unsupported
 from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
-from kvguard.guards.hooking import sites as site_registry
-from kvguard.guards.hooking.rewrite import GLOBAL_FAIL_REQUEST
-from kvguard.guards.hooking.sites import KIND_WINDOW, Site
+from kvguard.guards import site_registry
+from kvguard.guards.names import GLOBAL_FAIL_REQUEST
+from kvguard.guards.names import KIND_WINDOW
+from kvguard.guards.site_registry import Site
 from kvguard.guards.policy import degrade, runtime
 from kvguard.guards.telemetry import counts
 

@@ -40,7 +40,7 @@ from kvguard.guards import names
 from kvguard.guards.checks.load_coverage import GroupGeometry, Unsupported
 from kvguard.guards.checks.tier_removals import Epoch
 from kvguard.guards.checks.tier_removals import watch as _watch_removals
-from kvguard.guards.hooking.rewrite import GLOBAL_CHECK_STORE
+from kvguard.guards.names import GLOBAL_CHECK_STORE
 
 #: Attribute cached on each connector scheduler instance (its plan or why it has none).
 PLAN_ATTR = "_kvguard_admission_plan"

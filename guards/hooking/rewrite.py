@@ -114,20 +114,22 @@ __all__ = [
     "extract_function_code",
 ]
 
-KIND_ASSERT = "assert"
-KIND_WINDOW = "window"
-KIND_STORE_CALL = "store_call"
-KIND_REQUEST_SCOPE = "request_scope"
-KIND_ADMISSION_RETURN = "admission_return"
-
-GLOBAL_CHECK = "@kvguard_check"
-GLOBAL_LOCALS = "@kvguard_locals"
-GLOBAL_STORE_DROPPED = "@kvguard_StoreDropped"
-GLOBAL_DROP_STORE = "@kvguard_drop_store"
-GLOBAL_REQUEST_FAILED = "@kvguard_RequestFailed"
-GLOBAL_FAIL_REQUEST = "@kvguard_fail_request"
-GLOBAL_CHECK_STORE = "@kvguard_check_store"
-GLOBAL_ADMIT_RETURN = "@kvguard_admit_return"
+# the site kinds and injected global names are the engine half's shared vocabulary
+from kvguard.guards.names import (  # noqa: E402  (re-exported: __all__)
+    GLOBAL_ADMIT_RETURN,
+    GLOBAL_CHECK,
+    GLOBAL_CHECK_STORE,
+    GLOBAL_DROP_STORE,
+    GLOBAL_FAIL_REQUEST,
+    GLOBAL_LOCALS,
+    GLOBAL_REQUEST_FAILED,
+    GLOBAL_STORE_DROPPED,
+    KIND_ADMISSION_RETURN,
+    KIND_ASSERT,
+    KIND_REQUEST_SCOPE,
+    KIND_STORE_CALL,
+    KIND_WINDOW,
+)
 _LOCAL_OK = "@kvguard_ok"
 _LOCAL_EXC = "@kvguard_exc"
 #: Every global name rewritten code may read (the instrumentor injects exactly these).

@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.hooking.sites import known_site_ids
+from kvguard.guards.site_registry import known_site_ids
 
 __all__ = ["GuardMetrics", "get_metrics", "flush_all", "FLUSH_INTERVAL_S", "SWA_RATIO_BUCKETS",
            "SITE_GAUGE_MULTIPROCESS_MODE"]

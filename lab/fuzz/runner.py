@@ -141,7 +141,7 @@ class _Capture:
     def _wrap(self, fn: Callable[..., Any], first: bool = False) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if first and self._guard and self.tee is None:
-                self.tee = _tee()  # after run_replay's runtime.reset()/install
+                self.tee = _tee()  # after run_replay's reset_all()/install
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:
@@ -158,9 +158,9 @@ def prepare(guard: bool, policy: str) -> None:
 
     vllm_api.route_vllm_logs_to_stderr()
     if guard:
-        from kvguard.guards.policy import runtime
+        from kvguard.guards.reset import reset_all
 
-        runtime.reset()
+        reset_all()
         harness.install_guard(policy)
     else:
         os.environ["KVGUARD_DISABLE"] = "1"

@@ -693,12 +693,9 @@ def run_replay(
     )
     previous_disable = os.environ.get("KVGUARD_DISABLE")
     if guard:
-        from kvguard.guards.checks import admission, wait_bound
-        from kvguard.guards.policy import runtime
+        from kvguard.guards.reset import reset_all
 
-        runtime.reset()  # before install: install-stage guard errors belong to this replay
-        admission.reset()
-        wait_bound.reset()
+        reset_all()  # before install: install-stage guard errors belong to this replay
         result.guard_installed = install_guard(policy)
     else:
         # vLLM may load general plugins while the engine is built: keep kvguard off for

@@ -7,18 +7,19 @@ from prometheus_client import CollectorRegistry
 
 from kvguard.guards.policy import runtime
 from kvguard.guards.hooking.instrumentor import OffloadGuardInstrumentor
+from kvguard.guards.reset import reset_all
 from kvguard.guards.telemetry.metrics import GuardMetrics
 
 
 @pytest.fixture(autouse=True)
 def _clean_guards():
     OffloadGuardInstrumentor().uninstall() if OffloadGuardInstrumentor().is_installed else None
-    runtime.reset()
+    reset_all()
     yield
     if OffloadGuardInstrumentor().is_installed:
         OffloadGuardInstrumentor().uninstall()
     runtime.unconfigure()
-    runtime.reset()
+    reset_all()
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from kvguard.guards.checks.admission.counters import stats
 from kvguard.guards.checks.load_coverage import load_set
 from kvguard.guards.checks.offload_plan import PLAN_ATTR, Plan
 from kvguard.guards.checks.tier_removals import unwatch_all as unwatch_removals
-from kvguard.guards.hooking.rewrite import GLOBAL_ADMIT_RETURN
+from kvguard.guards.names import GLOBAL_ADMIT_RETURN
 from kvguard.guards.policy import recompute, runtime
 from kvguard.guards.policy.recompute import RECOMPUTE_ATTR
 

@@ -1,0 +1,318 @@
+"""Discovery: every assert of a module in scope, and the few special sites matched by what
+their code does (the window bound, ``group_sizes``, store constructions, the store-keys
+asserts, request-scoped methods), from the module's AST (:func:`discover`). The rules are
+stated in :mod:`kvguard.guards.hooking.sites`. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+
+from kvguard.guards import names
+from kvguard.guards.hooking.rewrite import (
+    fingerprint_id,
+    iter_functions,
+    normalize_assert,
+    normalize_statement,
+)
+from kvguard.guards.hooking.scope import (
+    CONNECTOR_MODULES,
+    SPECIAL_GROUP_SIZES,
+    SPECIAL_STORE_DROP,
+    SPECIAL_STORE_KEYS,
+    SPECIAL_WINDOW,
+    STORE_DROP_LOCALS,
+    _generic_check,
+    in_scope,
+    short_module,
+    worker_attributes,
+    worker_role,
+)
+from kvguard.guards.names import KIND_ASSERT, KIND_REQUEST_SCOPE, KIND_STORE_CALL, KIND_WINDOW
+from kvguard.guards.site_registry import Site
+
+__all__ = ["Discovery", "discover", "LOAD_HOLD_CALLS"]
+
+
+@dataclass
+class Discovery:
+    """What :func:`discover` found in one module.
+
+    ``sites``: every check site (generic and special); ``in_scope_asserts``: every assert
+    in scope (one per ``ast.Assert`` node); ``expected_special`` / ``special``: the special
+    kinds this module should have (by structure) and the site of each that was matched.
+    ``special_missing`` lists the expected kinds that were not matched."""
+
+    module: str
+    sites: list[Site] = field(default_factory=list)
+    in_scope_asserts: int = 0
+    expected_special: set[str] = field(default_factory=set)
+    special: dict[str, list[Site]] = field(default_factory=dict)
+
+    @property
+    def special_missing(self) -> list[str]:
+        return sorted(k for k in self.expected_special if not self.special.get(k))
+
+
+def _idents(node: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            out.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            out.add(sub.attr)
+    return out
+
+
+def _window_parts(test: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """(pending, bound) when ``test`` is ``<pending GPU blocks> <= <sliding-window bound>``."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.LtE)):
+        return None
+    left, right = test.left, test.comparators[0]
+    left_ids = {i.lower() for i in _idents(left)}
+    if not any("pending" in i and "block" in i for i in left_ids):
+        return None
+    if not any("sliding_window" in i for i in _idents(right)):
+        return None
+    return left, right
+
+
+def _calls_gpu_spec(value: ast.expr) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name == "GPULoadStoreSpec"
+
+
+def _store_constructions(func: ast.AST) -> list[ast.Assign]:
+    """``x = GPULoadStoreSpec(...)`` statements inside a loop of this function's own scope."""
+    found: list[ast.Assign] = []
+
+    def walk(node: ast.AST, in_loop: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.Assign) and in_loop and _calls_gpu_spec(child.value):
+                found.append(child)
+            loop_body = isinstance(child, (ast.For, ast.AsyncFor, ast.While))
+            walk(child, in_loop or loop_body)
+
+    walk(func, False)
+    return found
+
+
+def _binds(func: ast.AST, name: str) -> bool:
+    if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = func.args
+        if any(arg.arg == name for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
+            return True
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(func))
+
+
+def _is_len_compare(test: ast.expr) -> bool:
+    """``len(<a>) == len(<b>)``: the keys-vs-block-ids class of the store builder."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = (test.left, test.comparators[0])
+    return all(
+        isinstance(x, ast.Call) and isinstance(x.func, ast.Name) and x.func.id == "len" and len(x.args) == 1
+        for x in sides
+    )
+
+
+def _own_walk(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk`` that does not enter nested functions, lambdas or classes."""
+    todo = [node]
+    while todo:
+        cur = todo.pop()
+        yield cur
+        for child in ast.iter_child_nodes(cur):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                todo.append(child)
+
+
+def _calls_attr(node: ast.AST, attr: str) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+        for n in _own_walk(node)
+    )
+
+
+def _outer_loops(func: ast.AST) -> list[ast.For | ast.AsyncFor | ast.While]:
+    """The loops of ``func``'s own scope that are not inside another loop."""
+    found: list[ast.For | ast.AsyncFor | ast.While] = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
+                found.append(child)
+            else:
+                walk(child)
+
+    walk(func)
+    return found
+
+
+def _store_keys_asserts(func: ast.AST) -> list[tuple[ast.Assert, ast.stmt, bool]]:
+    """``(assert, statement of the request loop's body that holds it, before_prepare)``
+    for every ``len(a) == len(b)`` assert inside an outer loop of the store builder;
+    ``before_prepare``: the statement comes before the body's first ``prepare_store``."""
+    out: list[tuple[ast.Assert, ast.stmt, bool]] = []
+    for loop in _outer_loops(func):
+        prepare_at = next(
+            (i for i, st in enumerate(loop.body) if _calls_attr(st, "prepare_store")), len(loop.body)
+        )
+        for i, stmt in enumerate(loop.body):
+            for node in _own_walk(stmt):
+                if isinstance(node, ast.Assert) and _is_len_compare(node.test):
+                    out.append((node, stmt, i < prepare_at))
+    return out
+
+
+#: The calls by which an offload scheduler's request-scoped method takes hold of blocks for
+#: the request's load: ``prepare_load`` (the OffloadingConnector's offload manager pins the
+#: load's chunks) and ``touch`` (the SimpleCPUOffloadConnector pins the CPU and GPU blocks
+#: its load reads, ``BlockPool.touch``). An assert that runs before the first of them, and
+#: before the method takes any per-request entry out of the scheduler's state (a
+#: ``self.<attr>.pop(...)``: since vllm#42289 the SimpleCPUOffloadConnector's lookup pins its
+#: hit and this method pops the pin, which is then the method's to release), has taken hold
+#: of nothing, so failing that request alone leaves nothing to release.
+LOAD_HOLD_CALLS: frozenset[str] = frozenset({"prepare_load", "touch"})
+
+
+def _takes_state(node: ast.AST) -> bool:
+    """``self.<attr>.pop(...)``: a per-request entry taken out of the scheduler's state."""
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
+        and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
+        and node.func.value.value.id == "self"
+    )
+
+
+def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
+    """Where the request scope of ``func`` ends (the line of its first :data:`LOAD_HOLD_CALLS`
+    call or first :func:`_takes_state`) when ``func`` is request-scoped (takes ``request``,
+    returns nothing, takes hold of blocks for a load), else None."""
+    a = func.args
+    if not any(arg.arg == "request" for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
+        return None
+    own = list(_own_walk(func))
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await)) for n in own):
+        return None
+    if any(isinstance(n, ast.Return) and n.value is not None for n in own):
+        return None
+    if any(_calls_attr(loop, name) for loop in _outer_loops(func) for name in LOAD_HOLD_CALLS):
+        return None  # a load issued in a loop: a later assert could follow a half-issued load
+    lines = [
+        n.lineno
+        for n in own
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in LOAD_HOLD_CALLS
+    ]
+    if not lines:
+        return None
+    taken = [n.lineno for n in own if _takes_state(n)]
+    return min(lines + taken)
+
+
+def discover(module: str, tree: ast.Module, worker_side: Collection[str] = frozenset()) -> Discovery:
+    """Every check site of one in-scope module's source (see the module docstring).
+
+    ``module``: the dotted name; ``tree``: its parsed source; ``worker_side``: the
+    release's worker-side modules (:func:`worker_side_modules`) for :func:`in_scope`.
+    Asserts at module or class body level are not sites (they run once, at import).
+    Returns an empty :class:`Discovery` for a module out of scope. Never raises for
+    valid Python."""
+    result = Discovery(module)
+    if not in_scope(module, worker_side):
+        return result
+    short = short_module(module)
+    generic_check = _generic_check(module)
+    worker_attrs = worker_attributes(tree) if module in CONNECTOR_MODULES else frozenset()
+    for qualname, func, classes in iter_functions(tree):
+        if module in CONNECTOR_MODULES and worker_role(func, worker_attrs):
+            continue
+        owner = classes[-1].name if classes else ""
+        method = qualname.rsplit(".", 1)[-1]
+        is_spec_init = owner == "GPULoadStoreSpec" and method == "__init__"
+        if is_spec_init and any(arg.arg == "group_sizes" for arg in func.args.args + func.args.kwonlyargs):
+            result.expected_special.add(SPECIAL_GROUP_SIZES)
+        if method == "update_state_after_alloc" and owner.endswith("Scheduler") and any(
+            i.startswith("sliding_window_size_in") for i in _idents(classes[-1])
+        ):
+            # the window assert bounds pending GPU blocks by the offload config's window size
+            # in blocks or chunks; a scheduler that never reads one (the
+            # SimpleCPUOffloadConnector's, which reads only a spec's ``sliding_window`` in
+            # tokens to size its pool) has no such assert to expect
+            result.expected_special.add(SPECIAL_WINDOW)
+        is_store_builder = owner.endswith("Scheduler") and "store" in method
+        store_keys = {id(a): (stmt, before) for a, stmt, before in _store_keys_asserts(func)} if is_store_builder else {}
+        if store_keys:
+            result.expected_special.add(SPECIAL_STORE_KEYS)
+        load_line = _request_scope(func) if owner.endswith("Scheduler") else None
+        scoped = False
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Assert):
+                continue
+            result.in_scope_asserts += 1
+            fp = normalize_assert(node)
+            parts = _window_parts(node.test)
+            if parts is not None:
+                site = Site(
+                    f"{short}:{qualname}:{names.CHECK_SWA_PENDING_BOUND}", module, qualname, KIND_WINDOW,
+                    names.CHECK_SWA_PENDING_BOUND, fp, node.lineno, "vllm#48959",
+                    bound_expr=ast.unparse(parts[1]), pending_expr=ast.unparse(parts[0]),
+                )
+                result.special.setdefault(SPECIAL_WINDOW, []).append(site)
+            elif is_spec_init and "group_sizes" in _idents(node.test):
+                site = Site(
+                    f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
+                    names.CHECK_GROUP_SIZES_CONSISTENCY, fp, node.lineno, "vllm#42945",
+                )
+                result.special.setdefault(SPECIAL_GROUP_SIZES, []).append(site)
+            elif id(node) in store_keys and store_keys[id(node)][1] and _binds(func, "self"):
+                stmt = store_keys[id(node)][0]
+                site = Site(
+                    f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
+                    names.CHECK_STORE_KEYS_CONSISTENCY, fp, node.lineno, "vllm#49118",
+                )
+                skip = Site(
+                    f"{short}:{qualname}:store_skip:{fingerprint_id(fp)}", module, qualname, KIND_STORE_CALL,
+                    names.CHECK_STORE_KEYS_CONSISTENCY, normalize_statement(stmt), stmt.lineno, "vllm#49118",
+                    release_keys=False,
+                )
+                result.special.setdefault(SPECIAL_STORE_KEYS, []).extend([site, skip])
+                if skip.site_id not in {s.site_id for s in result.sites}:
+                    result.sites.append(skip)
+            else:
+                in_scope_of_request = load_line is not None and node.lineno < load_line
+                scoped = scoped or in_scope_of_request
+                site = Site(f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
+                            generic_check, fp, node.lineno, request_scoped=in_scope_of_request)
+            if site.site_id not in {s.site_id for s in result.sites}:
+                result.sites.append(site)
+        if scoped:
+            site = Site(
+                f"{short}:{qualname}:request_scope", module, qualname, KIND_REQUEST_SCOPE,
+                generic_check, qualname, func.lineno, "kvguard#9",
+            )
+            result.sites.append(site)
+        if owner.endswith("Scheduler") and "store" in method:
+            constructions = _store_constructions(func)
+            if constructions:
+                result.expected_special.add(SPECIAL_STORE_DROP)
+                if all(_binds(func, n) for n in STORE_DROP_LOCALS):
+                    for node in constructions:
+                        site = Site(
+                            f"{short}:{qualname}:store_drop", module, qualname, KIND_STORE_CALL,
+                            names.CHECK_GROUP_SIZES_CONSISTENCY, normalize_statement(node), node.lineno,
+                            "vllm#42945", release_keys=True,
+                        )
+                        result.special.setdefault(SPECIAL_STORE_DROP, []).append(site)
+                        if site.site_id not in {s.site_id for s in result.sites}:
+                            result.sites.append(site)
+    return result
