@@ -13,9 +13,11 @@ finished request (``_build_store_jobs`` walks ``scheduler_output.finished_req_id
 next step to store the final chunks): a request that finishes with no store in flight and
 a new chunk to store is finalized, then stored, and ``prepare_store`` dies with
 ``KeyError: '<request id>'``, taking EngineCore with it (vLLM #49635, "Final KV offload
-store after request finalization crashes EngineCore"; closed PR #53648). From 0.29.0 on
-the connector finalizes after its last store and the read always finds its entry: the
-check stays installed there and silent. Found here by the differential fuzz on 0.26.0
+store after request finalization crashes EngineCore"; fixed upstream by PR #49671, which
+builds the final stores before ``on_request_finished``: that order is in 0.29.0's code and
+later). From 0.29.0 on the read always finds its entry: the check stays installed there and
+silent, for the next lifecycle regression (the upstream fix keeps the manager's read strict
+on purpose, so that one surfaces as a crash). Found here by the differential fuzz on 0.26.0
 (``kvguard fuzz --seed 2 --connector both``, example 114: vLLM alone dies, 1 of 2
 requests unfinished).
 
