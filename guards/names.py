@@ -277,6 +277,13 @@ GPU_FREE_ONCE_SITE_ID = "pool:gpu_free_once"
 ACTION_FREE_SPLIT = "free_split"
 ACTIONS = ACTIONS + (ACTION_FREE_SPLIT,)
 KEY_DUPLICATED_BLOCKS = "duplicated_blocks"
+# --- a store only for a request the manager still tracks (kvguard.guards.checks.finalized_store) ---
+#: vLLM 0.25.1 / 0.26.0's connector finalizes a finished request in its manager before the
+#: store builder's last store of it; the tiering manager's ``prepare_store`` then dies with
+#: ``KeyError`` (vLLM #49635).
+CHECK_STORE_AFTER_FINALIZE = "store_after_finalize"
+CHECKS = CHECKS + (CHECK_STORE_AFTER_FINALIZE,)
+STORE_AFTER_FINALIZE_SITE_ID = "manager:store_after_finalize"
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)
 

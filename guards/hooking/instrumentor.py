@@ -60,7 +60,7 @@ from importlib import metadata
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.checks import admission, asserts, pool_frees, wait_bound
+from kvguard.guards.checks import admission, asserts, finalized_store, pool_frees, wait_bound
 from kvguard.guards.checks.admission import exclusive, written
 from kvguard.guards.hooking import sites as site_registry
 from kvguard.guards.hooking.hook import GuardFinder, install_finder, uninstall_finder
@@ -523,6 +523,11 @@ class OffloadGuardInstrumentor:
                 if not state.settings.site_disabled(names.LOAD_WRITES_SITE_ID):
                     self._wrap(state, module, f"{owner}.update_state_after_alloc", written.written_wrapper)
                 self._wrap(state, module, f"{owner}.__init__", wait_bound.attach_wrapper)
+        if not state.settings.site_disabled(names.STORE_AFTER_FINALIZE_SITE_ID):
+            # an offloading manager whose prepare_store reads per-request state by id: a store
+            # for a request it already finalized is refused, not a KeyError (vLLM #49635)
+            for owner in finalized_store.manager_classes(module):
+                self._wrap(state, module, f"{owner}.{finalized_store.METHOD}", finalized_store.prepare_store_wrapper)
         for window in discovery.special.get(SPECIAL_WINDOW, []):
             if window.site_id in found:
                 owner = window.qualname.rsplit(".", 1)[0]

@@ -767,7 +767,7 @@ def _guard_report(result: ReplayResult) -> None:
     """What the guard counted and installed during the replay (``checks``, ``guard_errors``,
     ``sites``, ``guard_installed``)."""
     from kvguard.guards.checks import admission, wait_bound
-    from kvguard.guards.checks import pool_frees
+    from kvguard.guards.checks import finalized_store, pool_frees
     from kvguard.guards.checks.admission import exclusive, written
     from kvguard.guards import names
     from kvguard.guards.policy import runtime
@@ -782,6 +782,7 @@ def _guard_report(result: ReplayResult) -> None:
         (names.CHECK_BLOCK_EXCLUSIVE, exclusive.snapshot()),
         (names.CHECK_LOAD_WRITES, written.snapshot()),
         (names.CHECK_GPU_FREE_ONCE, pool_frees.snapshot()),
+        (names.CHECK_STORE_AFTER_FINALIZE, finalized_store.snapshot()),
     ):
         result.checks[check] = {**result.checks.get(check, {}), **counts}
     result.guard_errors = runtime.guard_errors()
