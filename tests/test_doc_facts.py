@@ -116,6 +116,19 @@ def test_every_declared_alert_and_metric_has_its_reference_row():
     assert not missing, "\n".join(missing)
 
 
+def test_every_check_and_action_label_value_is_in_its_reference_page():
+    """The ``check`` and ``action`` label values an operator filters on
+    (``kvguard_invariant_violations_total{check,action}``): every check the code declares is
+    named in ``docs/settings.md``'s check list, every action in ``docs/policies.md``."""
+    from kvguard.guards import names
+
+    settings = (ROOT / "docs" / "settings.md").read_text()
+    policies = (ROOT / "docs" / "policies.md").read_text()
+    missing = [f"docs/settings.md: check {c} is not named" for c in names.CHECKS if f"`{c}`" not in settings]
+    missing += [f"docs/policies.md: action {a} is not named" for a in names.ACTIONS if f"`{a}`" not in policies]
+    assert not missing, "\n".join(missing)
+
+
 def test_the_check_catches_a_planted_drift(tmp_path, monkeypatch):
     """The checks are not vacuous: a page that names an alert, a metric, a variable, a target,
     a stage and a command that do not exist fails with each one named."""
