@@ -230,7 +230,7 @@ def test_guard_counts(trace: str, expected: dict) -> None:
     assert isinstance(copies["evaluated"], int) and copies["violations"] == 0 and copies["recomputed_tokens"] == 0
     admission_checks = (names.CHECK_LOAD_COVERAGE,
                         names.CHECK_COPY_COVERAGE, names.CHECK_BLOCK_EXCLUSIVE, names.CHECK_LOAD_WRITES,
-                        names.CHECK_GPU_FREE_ONCE)
+                        names.CHECK_GPU_FREE_ONCE, names.CHECK_STORE_AFTER_FINALIZE)
     # the exclusive-block check reads every admission with a load (the window check reads
     # the same calls: update_state_after_alloc with external tokens), none given twice here
     exclusive = out["checks"]["block_exclusive"]

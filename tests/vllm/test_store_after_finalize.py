@@ -7,8 +7,12 @@ finding on 0.26.0 (seed 2, example 114, shrunk to 2 requests): a request finishe
 store in flight and a chunk still to store; where the connector's ``request_finished``
 finalizes the request in the manager before the store builder's last pass, vLLM alone dies
 with ``KeyError`` in ``prepare_store``. Which releases do that is read from the installed
-code (:func:`_finalizes_before_last_store`), never from the version: measured on 0.25.1
-and 0.26.0 (yes), 0.29.0-0.34.0 (no: the builder finalizes after its last store).
+code (:func:`_finalizes_before_last_store`), never from the version: 0.25.1 and 0.26.0
+finalize early, 0.29.0-0.34.0 build the last stores first. Measured on this trace: vLLM
+alone dies on 0.26.0 only (on 0.25.1 the schedule never reaches a store after finalization;
+the differential fuzz meets the class there too rarely to keep a trace: 0 no-better
+examples in three seeds), so the replay's expectation follows vLLM alone's outcome, and a
+release that builds its last stores first must not die of it.
 """
 
 from __future__ import annotations
@@ -93,7 +97,12 @@ def test_a_store_after_finalization_is_refused_under_guard_and_left_to_vllm_unde
     assert guarded.ok and guarded.finished == guarded.submitted == 2 and guarded.wrong_kv_blocks == 0
     assert checks["evaluated"] > 0  # vLLM's stores went through the check
     if not _finalizes_before_last_store():
-        assert plain.ok and plain.finished == 2 and checks["violations"] == 0
+        # the release builds the last stores first: vLLM alone cannot meet the KeyError
+        assert plain.ok
+    if plain.ok:
+        # vLLM alone lived (0.25.1 finalizes early too, but this 0.26.0 trace does not reach
+        # a store after finalization there): the check never acts
+        assert plain.finished == 2 and checks["violations"] == 0
         assert observed.ok and observe_counts["violations"] == 0
         return
     # observe: counted, then vLLM's own KeyError, as without kvguard
