@@ -43,7 +43,11 @@ whole (the soundness the admission check rests on, at any size):
 - on a whole re-store of the key, only without vLLM's tiering, for the same reason (found
   by ``kvguard fuzz --seed 1`` on 0.29.0: a re-store of a partial key that
   ``store_coverage`` then dropped had erased the entry, and the tier's partial copy was
-  loaded).
+  loaded). With tiering a partial re-store does not replace the entry either: it keeps
+  the slots both copies hold (:meth:`CopyLedger.record`), since the tier that holds the
+  older copy may not have taken the new one (vLLM 0.34.0's fs tier never overwrites a file
+  it holds, ``vllm/v1/kv_offload/tiering/fs/io.py``; a failed or skipped store leaves the old
+  copy too).
 
 Never at a bound. The ledger holds at most :data:`LEDGER_MAX` entries per scheduler; a
 store that would need more is refused whole (:meth:`CopyLedger.room_for`; the store check
@@ -212,16 +216,24 @@ class CopyLedger:
     def record(self, group: int, keys: Sequence[Any], masks: Sequence[int], full: int) -> None:
         """Record the masks of one group's written chunks (``keys[r]`` got ``masks[r]``);
         a whole chunk (``full``) drops the key's earlier entry, if any, when
-        ``forget_on_whole_store`` (module docstring). May pass ``limit``: the caller asks
-        :meth:`room_for` first."""
+        ``forget_on_whole_store`` (module docstring). With secondary tiers (not
+        ``forget_on_whole_store``) a key's copies may differ from tier to tier (a re-store
+        that fails, that backpressure skips, or that a tier does not overwrite leaves the
+        older copy there), so the key keeps the slots every recorded copy holds: the
+        intersection of its masks, whatever each tier's overwrite rule. May pass ``limit``:
+        the caller asks :meth:`room_for` first."""
         ledger = self.groups[group]
+        keep_all = not self.forget_on_whole_store
         for key, mask in zip(keys, masks):
             if mask == full:
-                if self.forget_on_whole_store and ledger and ledger.pop(key, None) is not None:
+                if not keep_all and ledger and ledger.pop(key, None) is not None:
                     self.size -= 1
                 continue
-            if key not in ledger:
+            old = ledger.get(key)
+            if old is None:
                 self.size += 1
+            elif keep_all:
+                mask &= old
             ledger[key] = mask
 
     def forget_evicted(self, keys: Iterable[Any]) -> None:

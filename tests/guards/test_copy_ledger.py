@@ -184,3 +184,20 @@ def test_with_secondary_tiers_a_whole_re_store_forgets_nothing() -> None:
     ledger.record(0, ["k"], [0b10], 0b11)
     ledger.record(0, ["k"], [0b11], 0b11)
     assert ledger.groups[0] == {"k": 0b10} and ledger.size == 1
+
+
+def test_with_secondary_tiers_a_partial_re_store_keeps_only_the_slots_both_copies_hold() -> None:
+    """A tier may keep the older copy of a key (a failed or skipped re-store; vLLM 0.34.0's
+    fs tier never overwrites a file it holds), so after two partial stores of one key the
+    ledger vouches only for the slots both copies hold; a reader of slot 0 or 1 is cut."""
+    ledger = CopyLedger(1, forget_on_whole_store=False)
+    ledger.record(0, ["k"], [0b1110], 0b1111)  # the first copy lacks slot 0
+    ledger.record(0, ["k"], [0b1101], 0b1111)  # the re-store lacks slot 1
+    assert ledger.groups[0] == {"k": 0b1100} and ledger.size == 1
+    assert first_uncopied_block(4, 4, None, 0, 16, ["k"], ledger.groups[0]) == 0
+    ledger.record(0, ["k"], [0b1111], 0b1111)  # a whole re-store vouches for nothing more
+    assert ledger.groups[0] == {"k": 0b1100}
+    plain = CopyLedger(1)  # without tiers only the newest copy exists: it replaces
+    plain.record(0, ["k"], [0b1110], 0b1111)
+    plain.record(0, ["k"], [0b1101], 0b1111)
+    assert plain.groups[0] == {"k": 0b1101}
