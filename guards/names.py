@@ -380,8 +380,10 @@ SKIP_PARTIAL_TAIL = "partial_tail"
 #: has no rewritten store site, or the builder's locals lack ``keys_to_store``), so which
 #: slots a chunk holds is unknown: copy coverage is not checked.
 SKIP_STORE_PATH = "store_path"
-#: The copy ledger dropped partly written chunks at its bound (``copy_ledger.LEDGER_MAX``):
-#: counted once per dropped entry at the next checked hit.
+#: A store whose partly written chunks the copy ledger had no room for (its bound,
+#: ``copy_ledger.LEDGER_MAX`` per scheduler): counted once per store; under ``guard`` and
+#: ``strict`` the store is refused (its chunks are not published), under ``observe`` it goes
+#: ahead unrecorded. Never a hit loaded unchecked under ``guard``.
 SKIP_LEDGER_FULL = "ledger_full"
 SKIP_REASONS: tuple[str, ...] = (SKIP_GROUP_KIND, SKIP_OFFLOAD_MANAGER, SKIP_CONNECTOR_CONFIG, SKIP_PARTIAL_TAIL,
                                  SKIP_STORE_PATH, SKIP_LEDGER_FULL)

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvguard.guards import names
 from kvguard.guards.checks import copy_ledger, invariants, offload_plan
+from kvguard.guards.checks.admission import counters as admission_counters
 from kvguard.guards.checks.load_coverage import Unsupported
 from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
 from kvguard.guards import site_registry
@@ -425,8 +426,13 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
             counts.count_eval(names.CHECK_STORE_COVERAGE)
         # the ledger records a store that goes ahead only: a dropped store writes nothing,
         # and recording it would forget an earlier partial copy of the same key
+        remembered = True
         if not copy_coverage_disabled and (not problems or policy == names.POLICY_OBSERVE):
-            _record_copies(context, geometries, parts)
+            remembered = _record_copies(context, geometries, parts)
+        if not remembered:
+            refused = _refuse_unremembered(context, policy, problems)
+            if refused is not None:
+                return refused
         if not problems:
             return None
         if policy == names.POLICY_GUARD:
@@ -488,10 +494,13 @@ def _spec_groups(spec: Any, block_ids: list[int]) -> list[tuple[int, int, list[i
 
 
 
-def _record_copies(context: dict[str, Any], geometries: tuple[Any, ...], parts: list[tuple[int, int, list[int]]]) -> None:
+def _record_copies(context: dict[str, Any], geometries: tuple[Any, ...], parts: list[tuple[int, int, list[int]]]) -> bool:
     """Keep which sub-blocks of each chunk this store writes (:mod:`kvguard.guards.checks.copy_ledger`),
-    for the admission check's copy coverage. Needs the builder's ``keys_to_store`` (the
-    keys the manager will write); without it the ledger is marked unreadable for this
+    for the admission check's copy coverage, after forgetting the keys the CPU tier evicted
+    to make room for it (``store_output.evicted_keys``, the builder's ``prepare_store``
+    answer). False when the ledger has no room for the store's partly written chunks
+    (nothing recorded: the caller refuses the store). Needs the builder's ``keys_to_store``
+    (the keys the manager will write); without it the ledger is marked unreadable for this
     scheduler, and the admission check skips copy coverage there (counted)."""
     cs = context["self"]
     req_status = context["req_status"]
@@ -500,20 +509,59 @@ def _record_copies(context: dict[str, Any], geometries: tuple[Any, ...], parts: 
     ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
     if ledger is None:
         # with vLLM's tiering a key's partial copy may live on in a secondary tier (cascaded,
-        # promoted back later), so a whole re-store into the CPU tier must not forget it
+        # promoted back later), so neither an eviction nor a whole re-store into the CPU
+        # tier may forget it
         manager = getattr(cs, "manager", None)
         tiers = getattr(manager, "secondary_tiers", None)
         ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(
             len(group_states), forget_on_whole_store=not tiers)
     if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
         ledger.unreadable = "the store builder has no keys_to_store collection"
-        return
+        return True
+    evicted = getattr(context.get("store_output"), "evicted_keys", None)
+    if evicted:
+        ledger.forget_evicted(evicted)
+    writes = []
+    fulls = []
     for g, first, copied in parts:
         state = group_states[g]
-        copy_ledger.record_group_store(
-            ledger, g, state.block_ids, copied, first, geometries[g].blocks_per_chunk,
-            state.offload_keys, keys_to_store,
-        )
+        bpc = geometries[g].blocks_per_chunk
+        found = copy_ledger.group_store_writes(ledger, g, state.block_ids, copied, first, bpc,
+                                               state.offload_keys, keys_to_store)
+        if found is not None:
+            writes.append((g, *found))
+            fulls.append((1 << bpc) - 1)
+    if not writes:
+        return True
+    if not ledger.room_for(writes, fulls):
+        ledger.refused += 1
+        return False
+    for (g, keys, masks), full in zip(writes, fulls):
+        ledger.record(g, keys, masks, full)
+    return True
+
+
+
+def _refuse_unremembered(context: dict[str, Any], policy: str, problems: list[str]) -> BaseException | None:
+    """A store whose partly written chunks the copy ledger has no room for: counted as
+    ``kvguard_check_skipped_total{check="copy_coverage", reason="ledger_full"}``; under
+    ``guard`` and ``strict`` the store is refused (returns
+    :class:`~kvguard.guards.policy.runtime.StoreDropped`: its chunks are not published, so
+    no reader loads a slot the ledger cannot vouch for; a full ledger is kvguard's limit,
+    not vLLM's fault, so ``strict`` does not raise for it); under ``observe`` (or when the
+    store coverage check drops the store anyway) None."""
+    global _drop_check
+    cs = context["self"]
+    ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
+    limit = ledger.limit if ledger is not None else copy_ledger.LEDGER_MAX
+    admission_counters.skip(cs, names.CHECK_COPY_COVERAGE, admission_counters.CC, names.SKIP_LEDGER_FULL,
+                            f"the copy ledger holds at most {limit} partly written chunks per scheduler; "
+                            + ("the store went ahead unrecorded (observe)" if policy == names.POLICY_OBSERVE
+                               else "the store was refused, its chunks are not published"))
+    if policy == names.POLICY_OBSERVE or problems:
+        return None
+    _drop_check = names.CHECK_COPY_COVERAGE
+    return runtime.StoreDropped(f"copy ledger full ({limit} partly written chunks)")
 
 
 

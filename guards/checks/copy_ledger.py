@@ -32,19 +32,31 @@ chunk a store wrote *partly* (bit ``s`` set: sub-block ``s`` was copied from the
 the request's table holds at that logical position, and that block is not the null block
 0). A chunk written whole is not kept, so the usual full-attention store costs one slice
 comparison and leaves nothing behind. Only a store that goes ahead is recorded (a store the
-``store_coverage`` check drops writes nothing). When is an entry forgotten:
+``store_coverage`` check drops writes nothing). When is an entry forgotten: only when no
+tier can still hold the key's partial copy, so a key the ledger does not hold was written
+whole (the soundness the admission check rests on, at any size):
 
-- never when the CPU tier evicts a key: a key can come back without a store that kvguard
-  sees (promoted from a secondary tier that holds the partial copy), and a kept entry only
-  costs a recompute;
-- on a whole re-store of the key, only without vLLM's tiering (``forget_on_whole_store``):
-  the manager stores a key only when the CPU tier lacks it, so without secondary tiers no
-  partial copy is left anywhere; with them the partial copy may still sit in a secondary
-  tier and be promoted back (found by ``kvguard fuzz --seed 1`` on 0.29.0: a re-store of a
-  partial key that ``store_coverage`` then dropped had erased the entry, and the tier's
-  partial copy was loaded);
-- at the bound (:data:`LEDGER_MAX` entries per scheduler, the oldest dropped first, counted
-  as ``ledger_full`` skips).
+- when the CPU tier evicts the key (``PrepareStoreOutput.evicted_keys``, a declared field
+  in 0.21.0-0.34.0), only without vLLM's tiering (``forget_on_whole_store``): an evicted
+  key is gone, and it comes back only through a store that kvguard sees; with secondary
+  tiers the partial copy may have been cascaded and be promoted back later;
+- on a whole re-store of the key, only without vLLM's tiering, for the same reason (found
+  by ``kvguard fuzz --seed 1`` on 0.29.0: a re-store of a partial key that
+  ``store_coverage`` then dropped had erased the entry, and the tier's partial copy was
+  loaded). With tiering a partial re-store does not replace the entry either: it keeps
+  the slots both copies hold (:meth:`CopyLedger.record`), since the tier that holds the
+  older copy may not have taken the new one (vLLM 0.34.0's fs tier never overwrites a file
+  it holds, ``vllm/v1/kv_offload/tiering/fs/io.py``; a failed or skipped store leaves the old
+  copy too).
+
+Never at a bound. The ledger holds at most :data:`LEDGER_MAX` entries per scheduler; a
+store that would need more is refused whole (:meth:`CopyLedger.room_for`; the store check
+drops it under ``guard`` and ``strict``: its chunks are not published, their readers
+recompute), so a partial chunk is never published unremembered (dropping the oldest entry
+instead, as a FIFO would, lets a later reader of that chunk load it unchecked: measured on
+0.33.0 and 0.34.0 with the bound lowered). Without tiering the evictions
+keep the ledger no larger than the CPU tier's partly written chunks, so the refusal is
+reached only by a CPU tier holding more than :data:`LEDGER_MAX` of them.
 
 Which slots a store writes is the copy engine's rule (``transfer_async`` in
 ``vllm/v1/kv_offload/cpu/gpu_worker.py``, 0.21.0-0.34.0; :mod:`kvguard.guards.checks.store_coverage`):
@@ -66,7 +78,7 @@ Plain ints and lists in, masks out; stdlib only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvguard.guards.checks.load_coverage import load_block_bounds
@@ -76,14 +88,17 @@ __all__ = [
     "LEDGER_MAX",
     "CopyLedger",
     "destination_chunks",
+    "group_store_writes",
+    "record_group_store",
     "chunk_masks",
     "first_uncopied_block",
 ]
 
-#: partly written chunks kept per connector scheduler (all groups) before the oldest is
-#: dropped; a few dozen bytes each, so at most a few MB. A partly written chunk is one per
-#: sliding-window group at the edge of a storing request's window.
-LEDGER_MAX = 65536
+#: partly written chunks kept per connector scheduler (all groups); a store that would need
+#: more is refused (module docstring). Read when a ledger is made, so a test can lower it.
+#: Memory: docs/degrade.md "Copy coverage" (measured with bench/ledger_memory.py). A partly
+#: written chunk is one per sliding-window group at the edge of a storing request's window.
+LEDGER_MAX = 1 << 20
 #: attribute on each connector scheduler instance: its :class:`CopyLedger` (made at its first store)
 LEDGER_ATTR = "_kvguard_copy_ledger"
 
@@ -165,56 +180,82 @@ class CopyLedger:
     """The partly written chunks of one connector scheduler: ``groups[g]`` maps an offload
     key of KV cache group ``g`` to its copied sub-block mask (module docstring).
 
-    ``dropped``: entries dropped at the :data:`LEDGER_MAX` bound (each one a chunk whose
-    partial copy kvguard no longer knows: counted as ``ledger_full``); ``unreadable``: why
-    a store could not be recorded (None while every store was), after which the admission
-    check skips copy coverage on this scheduler."""
+    ``limit``: the most entries held (all groups; default :data:`LEDGER_MAX`, read at
+    construction); ``refused``: stores refused since the admission check last read it,
+    because the ledger had no room for their partial chunks (counted as ``ledger_full``);
+    ``unreadable``: why a store could not be recorded (None while every store was), after
+    which the admission check skips copy coverage on this scheduler."""
 
-    __slots__ = ("groups", "size", "dropped", "limit", "unreadable", "forget_on_whole_store")
+    __slots__ = ("groups", "size", "refused", "limit", "unreadable", "forget_on_whole_store")
 
-    def __init__(self, num_groups: int, limit: int = LEDGER_MAX, forget_on_whole_store: bool = True) -> None:
+    def __init__(self, num_groups: int, limit: int | None = None, forget_on_whole_store: bool = True) -> None:
         self.forget_on_whole_store = forget_on_whole_store
         self.groups: list[dict] = [{} for _ in range(num_groups)]
         self.size = 0
-        self.dropped = 0
-        self.limit = limit
+        self.refused = 0
+        self.limit = LEDGER_MAX if limit is None else limit
         self.unreadable: str | None = None
 
     def any(self) -> bool:
         """Whether any partly written chunk is known."""
         return self.size > 0
 
+    def room_for(self, writes: Sequence[tuple[int, Sequence[Any], Sequence[int]]], full_masks: Sequence[int]) -> bool:
+        """Whether recording ``writes`` (``(group, keys, masks)`` each, as
+        :meth:`record` takes them; ``full_masks[i]`` the whole-chunk mask of ``writes[i]``)
+        keeps the ledger within ``limit``: the new entries are the partial masks of keys
+        the group does not hold yet."""
+        new = 0
+        for (group, keys, masks), full in zip(writes, full_masks):
+            ledger = self.groups[group]
+            for key, mask in zip(keys, masks):
+                if mask != full and key not in ledger:
+                    new += 1
+        return self.size + new <= self.limit
+
     def record(self, group: int, keys: Sequence[Any], masks: Sequence[int], full: int) -> None:
         """Record the masks of one group's written chunks (``keys[r]`` got ``masks[r]``);
         a whole chunk (``full``) drops the key's earlier entry, if any, when
-        ``forget_on_whole_store`` (module docstring)."""
+        ``forget_on_whole_store`` (module docstring). With secondary tiers (not
+        ``forget_on_whole_store``) a key's copies may differ from tier to tier (a re-store
+        that fails, that backpressure skips, or that a tier does not overwrite leaves the
+        older copy there), so the key keeps the slots every recorded copy holds: the
+        intersection of its masks, whatever each tier's overwrite rule. May pass ``limit``:
+        the caller asks :meth:`room_for` first."""
         ledger = self.groups[group]
+        keep_all = not self.forget_on_whole_store
         for key, mask in zip(keys, masks):
             if mask == full:
-                if self.forget_on_whole_store and ledger and ledger.pop(key, None) is not None:
+                if not keep_all and ledger and ledger.pop(key, None) is not None:
                     self.size -= 1
                 continue
-            if key not in ledger:
+            old = ledger.get(key)
+            if old is None:
                 self.size += 1
+            elif keep_all:
+                mask &= old
             ledger[key] = mask
-        while self.size > self.limit:
-            self._drop_oldest()
 
-    def _drop_oldest(self) -> None:
-        biggest = max(self.groups, key=len)
-        del biggest[next(iter(biggest))]
-        self.size -= 1
-        self.dropped += 1
+    def forget_evicted(self, keys: Iterable[Any]) -> None:
+        """Forget ``keys`` the CPU tier evicted, in every group, when no secondary tier can
+        hold their copies (``forget_on_whole_store``; module docstring)."""
+        if not self.forget_on_whole_store or not self.size:
+            return
+        for key in keys:
+            for ledger in self.groups:
+                if ledger and ledger.pop(key, None) is not None:
+                    self.size -= 1
 
 
-def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], copied: Sequence[int],
+def group_store_writes(ledger: CopyLedger, group: int, table: Sequence[int], copied: Sequence[int],
                        first_index: int, blocks_per_chunk: int, offload_keys: Sequence[Any],
-                       keys_to_store: Collection[Any]) -> None:
-    """Record what one KV cache group's part of a store (``copied`` ids from logical block
-    ``first_index``) writes into its destination chunks (module docstring). The usual
-    store (chunk aligned, whole chunks from the first one on, the table's ids in place, no
-    null id) writes whole chunks only: one slice comparison and a key test per chunk in C,
-    and a record only when the ledger holds entries of the group."""
+                       keys_to_store: Collection[Any]) -> tuple[list[Any], list[int]] | None:
+    """``(keys, masks)``: what one KV cache group's part of a store (``copied`` ids from
+    logical block ``first_index``) writes into its destination chunks (module docstring),
+    for :meth:`CopyLedger.record`; None when there is nothing to record (whole chunks only
+    and no entry of the group to forget). The usual store (chunk aligned, whole chunks from
+    the first one on, the table's ids in place, no null id) writes whole chunks only: one
+    slice comparison and a key test per chunk in C."""
     bpc = blocks_per_chunk
     skip = first_index % bpc
     count = -(-(skip + len(copied)) // bpc)
@@ -228,12 +269,27 @@ def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], cop
         if (len(span) == count and table[first_index : first_index + len(copied)] == copied_list
                 and all(map(keys_to_store.__contains__, span))):
             if ledger.groups[group]:
-                ledger.record(group, list(span), [full] * count, full)
-            return
+                return list(span), [full] * count
+            return None
     chunks = destination_chunks(offload_keys, keys_to_store, first_chunk, count)
     keys = [offload_keys[c] for c in chunks]
-    masks = chunk_masks(table, copied, first_index, bpc, chunks)
-    ledger.record(group, keys, masks, full)
+    return keys, chunk_masks(table, copied, first_index, bpc, chunks)
+
+
+def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], copied: Sequence[int],
+                       first_index: int, blocks_per_chunk: int, offload_keys: Sequence[Any],
+                       keys_to_store: Collection[Any]) -> bool:
+    """Record one group's part of a store (:func:`group_store_writes`) when the ledger has
+    room for it; False (nothing recorded) when it has not."""
+    writes = group_store_writes(ledger, group, table, copied, first_index, blocks_per_chunk,
+                                offload_keys, keys_to_store)
+    if writes is None:
+        return True
+    full = (1 << blocks_per_chunk) - 1
+    if not ledger.room_for([(group, *writes)], [full]):
+        return False
+    ledger.record(group, writes[0], writes[1], full)
+    return True
 
 
 def ok_for(ledger: CopyLedger, fast: Sequence[tuple[int, int, int, int | None]], group_states: Sequence[Any],

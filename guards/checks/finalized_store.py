@@ -62,6 +62,10 @@ METHOD = "prepare_store"
 #: class -> (the dicts read by request id, the index of the request-context argument
 #: after ``self``, its name): filled at install by :func:`manager_classes`
 _READS: dict[type, tuple[tuple[str, ...], int, str]] = {}
+#: type of a wrapped manager instance -> its :data:`_READS` entry found along its MRO (None:
+#: none), so a ``prepare_store`` call walks the MRO once per type, not once per call;
+#: cleared whenever :data:`_READS` changes
+_BY_TYPE: dict[type, tuple[tuple[str, ...], int, str] | None] = {}
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -145,6 +149,7 @@ def manager_classes(module: types.ModuleType) -> list[str]:
         except (TypeError, ValueError):
             continue
         _READS[value] = (dicts, index, param)
+        _BY_TYPE.clear()
         out.append(name)
     return out
 
@@ -160,11 +165,13 @@ def snapshot() -> dict[str, int]:
 def _untracked(instance: Any, args: tuple, kwargs: dict) -> str | None:
     """The request id of this ``prepare_store`` call when a dict it reads by that id no
     longer holds it; None otherwise."""
-    for klass in type(instance).__mro__:
-        known = _READS.get(klass)
-        if known is not None:
-            break
-    else:
+    kind = type(instance)
+    try:
+        known = _BY_TYPE[kind]
+    except KeyError:
+        known = _BY_TYPE[kind] = next(
+            (_READS[klass] for klass in kind.__mro__ if klass in _READS), None)
+    if known is None:
         return None
     dicts, index, param = known
     ctx = args[index] if len(args) > index else kwargs.get(param)

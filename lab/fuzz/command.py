@@ -67,6 +67,15 @@ from kvguard.lab.replay.command import policy_option
     help="guard on: replay every example where kvguard acted without the guard too and "
     "compare request by request; an example kvguard made worse is a kvguard bug",
 )
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="long life: serve each example's traffic this many times on one engine (new content "
+    "per epoch, shared prefixes kept: many evictions over 100,000+ steps at a few thousand); "
+    "shrinking is off unless --shrink-replays is given",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -81,6 +90,7 @@ def fuzz(
     kv_layouts: bool,
     connector: str,
     differential: bool,
+    epochs: int,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -107,13 +117,15 @@ def fuzz(
         guard=guard,
         policy=policy,
         out_dir=out_dir,
-        shrink_replays=runner.SHRINK_REPLAYS if shrink_replays is None else shrink_replays,
+        # a long life's trace takes minutes per replay: shrinking it is asked for, not assumed
+        shrink_replays=(runner.SHRINK_REPLAYS if epochs == 1 else 0) if shrink_replays is None else shrink_replays,
         plant=planted,
         worker_model=worker_model,
         async_scheduling=async_scheduling,
         kv_layouts=kv_layouts,
         connector=connector,
         differential=differential,
+        epochs=epochs,
         progress=show,
     )
     show.done()

@@ -385,13 +385,13 @@ def not_generated(
 
 def explorer(
     seed: int, max_examples: int, worker_model: bool, async_scheduling: bool = True,
-    kv_layouts: bool = True, connector: str = "OffloadingConnector",
+    kv_layouts: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
 ) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
     """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
 
     ``@seed(seed)``, no example database, only the generate phase, no deadline, at most
     ``max_examples`` examples of :func:`.strategies.traces` (``worker_model``,
-    ``async_scheduling``, ``kv_layouts`` and ``connector`` as there),
+    ``async_scheduling``, ``kv_layouts``, ``connector`` and ``epochs`` as there),
     no health check, quiet. The decorated ``body`` is called once per generated trace.
     Call the result inside :func:`.determinism.pinned_constants` for examples that do
     not depend on the process's imports.
@@ -414,7 +414,7 @@ def explorer(
                 print_blob=False,
                 report_multiple_bugs=False,
             )(given(strategies.traces(worker_model=worker_model, async_scheduling=async_scheduling,
-                                      kv_layouts=kv_layouts, connector=connector))(body))
+                                      kv_layouts=kv_layouts, connector=connector, epochs=epochs))(body))
         )
 
     return wrap
@@ -422,7 +422,7 @@ def explorer(
 
 def generate(
     seed: int, examples: int, *, worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = True, pin: bool = True, connector: str = "OffloadingConnector",
+    kv_layouts: bool = True, pin: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
 ) -> list[Trace]:
     """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
 
@@ -440,7 +440,7 @@ def generate(
         strategies.layout_support()  # probed before the draws, as in :func:`fuzz`
     out: list[Trace] = []
 
-    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts, connector)
+    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts, connector, epochs)
     def body(trace: Trace) -> None:
         out.append(trace)
 
@@ -465,6 +465,7 @@ def fuzz(
     async_scheduling: bool = True,
     connector: str = "OffloadingConnector",
     differential: bool = True,
+    epochs: int = 1,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -481,6 +482,8 @@ def fuzz(
     ``--default-layout``, full attention + one sliding window).
     ``connector``: ``geometry.connector`` of every example, or ``"both"`` (drawn per
     example; :func:`.strategies.traces`).
+    ``epochs`` (``--epochs``; default 1): each example's traffic served that many times
+    by one engine (:func:`.strategies.lifetime`, the long-life mode).
     ``differential`` (guard on; default): every example where kvguard acted is replayed
     unguarded too and compared request by request (:mod:`.differential`); a ``worse``
     example is the kvguard-bug class ``worse-than-vllm-alone after <checks>``. The report's
@@ -620,7 +623,7 @@ def fuzz(
         to_judge.clear()
 
     @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling, kv_layouts,
-              connector)
+              connector, epochs)
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -723,6 +726,7 @@ def fuzz(
         "async_scheduling": async_scheduling and strategies.async_scheduling_unsupported() is None,
         "kv_layouts": kv_layouts,
         "connector": connector,
+        "epochs": epochs,
         "not_generated": not_generated(worker_model, async_scheduling, kv_layouts, connector),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),

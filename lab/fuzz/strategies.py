@@ -364,6 +364,51 @@ def traffic(draw: st.DrawFn, max_model_len: int = MAX_PROMPT_TOKENS + MAX_OUTPUT
     return tuple(requests)
 
 
+#: How far apart the unique segment seeds of two epochs of a long life are (one
+#: :func:`traffic` draw uses at most 10,000 from :data:`UNIQUE_SEED_BASE`).
+EPOCH_SEEDS = 10_000
+
+
+@st.composite
+def lifetime(draw: st.DrawFn, requests: tuple[TraceRequest, ...], epochs: int) -> tuple[TraceRequest, ...]:
+    """A long life (``kvguard fuzz --epochs N``): ``requests`` (one :func:`traffic` draw)
+    served ``epochs`` times by one engine, so one replay runs for many steps and its CPU
+    tier evicts many times (issue 42: the copy ledger and every wait over a server's life).
+
+    Epoch ``k >= 1`` is a variant of the drawn traffic: ids prefixed ``e<k>/``; each unique
+    segment (seed from :data:`UNIQUE_SEED_BASE`) gets new content (seed ``+ k *``
+    :data:`EPOCH_SEEDS`) while the shared prefix seeds stay, so later epochs hit chunks
+    that earlier epochs stored, or find them evicted; each request no other request waits
+    for is left out with probability 1/4; the epoch's first requests arrive once the
+    previous epoch's last request without an abort has finished. Aborts are absolute steps
+    (``abort_at_step``), so they stay in epoch 0 only. One draw (a seeded ``Random``) makes
+    every epoch, so Hypothesis' choice sequence does not grow with ``epochs``."""
+    rnd = draw(st.randoms(use_true_random=False))
+    out = list(requests)
+    waited = {w for r in requests for w in r.waits_for}
+    anchor = next((r.id for r in reversed(requests) if r.abort_at_step is None), None) if ABORTS else \
+        (requests[-1].id if requests else None)
+    for k in range(1, epochs):
+        keep = [r for r in requests if r.id in waited or rnd.random() >= 0.25] or list(requests)
+
+        def rid(old: str, k: int = k) -> str:
+            return f"e{k}/{old}"
+
+        for r in keep:
+            prompt = tuple(
+                Segment(output_of=rid(seg.output_of)) if seg.output_of is not None else
+                Segment(seed=seg.seed + k * EPOCH_SEEDS if seg.seed >= UNIQUE_SEED_BASE else seg.seed,
+                        tokens=seg.tokens)
+                for seg in r.prompt
+            )
+            fields = {"abort_at_step": None} if ABORTS else {}
+            out.append(dataclasses.replace(
+                r, id=rid(r.id), prompt=prompt, after=rid(r.after) if r.after is not None else anchor,
+                arrival_step=0, **fields))
+        anchor = out[-1].id
+    return tuple(out)
+
+
 #: The trace format of this checkout has ``abort_at_step`` (vLLM ``finish_requests``
 #: with ``FINISHED_ABORTED``, what EngineCore does when a client disconnects).
 ABORTS = "abort_at_step" in {f.name for f in dataclasses.fields(TraceRequest)}
@@ -528,7 +573,7 @@ def without_failures(model: "WorkerModel") -> "WorkerModel":
 @st.composite
 def traces(
     draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
-    kv_layouts: bool = True, connector: str = "OffloadingConnector",
+    kv_layouts: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -544,7 +589,8 @@ def traces(
     ``connector`` (``kvguard fuzz --connector``): the ``geometry.connector`` of every trace,
     or :data:`BOTH` (drawn last, per example, after everything above: the other draws of a
     seed stay those of one connector); a SimpleCPUOffloadConnector trace is the drawn one
-    made fit for it (:func:`for_simple_connector`)."""
+    made fit for it (:func:`for_simple_connector`). ``epochs`` > 1 (``kvguard fuzz
+    --epochs``): the traffic becomes a :func:`lifetime`, drawn last of all."""
     geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
@@ -558,6 +604,8 @@ def traces(
     chosen = connector if connector != BOTH else draw(st.sampled_from(CONNECTORS))
     if chosen != CONNECTORS[0]:
         geo, extra = for_simple_connector(geo, extra)
+    if epochs > 1:
+        reqs = draw(lifetime(reqs, epochs))
     return Trace(
         name=name,
         geometry=geo,

@@ -370,3 +370,37 @@ def test_a_request_vllm_fails_after_its_load_failed_is_not_lost():
     result.worker = SimpleNamespace(queue=SimpleNamespace(completed=[]))
     out = classes.classify(result, None, {})
     assert out.requests_lost == 1 and "stall" in {f.name for f in out.findings}
+
+
+@settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(strategies.traces(epochs=6))
+def test_a_long_life_serves_the_traffic_epoch_after_epoch_with_new_content(trace):
+    """``kvguard fuzz --epochs``: epoch k's requests are epoch 0's (or a subset keeping every
+    request another waits for), renamed ``e<k>/``, their unique segments new content and
+    their shared prefixes the same; each epoch starts after the previous one; aborts only
+    in epoch 0. The trace stays valid (it round-trips, so every reference resolves)."""
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    first = [r for r in trace.requests if not r.id.startswith("e")]
+    by_epoch = {k: [r for r in trace.requests if r.id.startswith(f"e{k}/")] for k in range(1, 6)}
+    assert len(first) + sum(map(len, by_epoch.values())) == len(trace.requests)
+    waited = {w for r in first for w in r.waits_for}
+    shared = {s.seed for r in first for s in r.prompt if s.seed is not None and s.seed < strategies.UNIQUE_SEED_BASE}
+    unique0 = {s.seed for r in first for s in r.prompt if s.seed is not None and s.seed >= strategies.UNIQUE_SEED_BASE}
+    previous_ids = {r.id for r in first}
+    for k, epoch in by_epoch.items():
+        base = {r.id[len(f"e{k}/"):]: r for r in epoch}
+        assert waited <= set(base) and set(base) <= {r.id for r in first}
+        for old, r in base.items():
+            src = next(q for q in first if q.id == old)
+            assert r.max_tokens == src.max_tokens and r.abort_at_step is None
+            assert [s.tokens for s in r.prompt if s.seed is not None] == [s.tokens for s in src.prompt if s.seed is not None]
+            if src.after is None:  # a first request of the epoch waits for the previous epoch
+                # (for its last request without an abort: epoch 0 may have none, then it arrives at once)
+                aborted_all = k == 1 and all(q.abort_at_step is not None for q in first)
+                assert r.after is None if aborted_all else r.after in previous_ids
+            for s in r.prompt:
+                if s.seed is not None and s.seed < strategies.UNIQUE_SEED_BASE:
+                    assert s.seed in shared  # shared prefixes: the same content every epoch
+                elif s.seed is not None:
+                    assert s.seed - k * strategies.EPOCH_SEEDS in unique0  # new content, same shape
+        previous_ids = {r.id for r in epoch}

@@ -111,14 +111,38 @@ def test_the_issue_class_a_window_wider_than_the_chunk_end_reads_the_skipped_sub
     assert first_uncopied_block(4, 4, None, 24, 32, keys, ledger) == -1
 
 
-def test_the_ledger_keeps_partial_chunks_only_and_is_bounded() -> None:
+def test_the_ledger_keeps_partial_chunks_only_and_refuses_past_its_bound() -> None:
     ledger = CopyLedger(2, limit=3)
     ledger.record(0, ["a", "b"], [0b0011, 0b1111], 0b1111)
     assert ledger.groups[0] == {"a": 0b0011} and ledger.size == 1
     ledger.record(0, ["a"], [0b1111], 0b1111)  # a whole re-store of the key forgets it
     assert ledger.groups[0] == {} and ledger.size == 0
-    ledger.record(1, ["c", "d", "e", "f"], [1, 2, 3, 4], 0b1111)
-    assert ledger.size == 3 and ledger.dropped == 1 and "c" not in ledger.groups[1]
+    four_new = [(1, ["c", "d", "e", "f"], [1, 2, 3, 4])]
+    assert not ledger.room_for(four_new, [0b1111])  # 4 new entries > 3: refused, never a FIFO
+    assert ledger.room_for([(1, ["c", "d", "e", "f"], [1, 2, 3, 0b1111])], [0b1111])  # a whole chunk costs nothing
+    ledger.record(1, ["c", "d", "e"], [1, 2, 3], 0b1111)
+    assert ledger.room_for([(1, ["c"], [5])], [0b1111])  # re-recording a held key takes no room
+    assert not ledger.room_for([(0, ["c"], [5])], [0b1111])  # the same key in another group does
+    # record_group_store asks first: a full ledger records nothing and says so
+    assert not copy_ledger.record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
+    assert ledger.groups[0] == {} and ledger.size == 3
+
+
+def test_an_evicted_key_is_forgotten_only_without_secondary_tiers() -> None:
+    ledger = CopyLedger(2)
+    ledger.record(0, ["a", "b"], [1, 2], 0b1111)
+    ledger.record(1, ["a"], [3], 0b1111)
+    ledger.forget_evicted(["a", "zzz"])  # evicted from the CPU tier: gone in every group
+    assert ledger.groups == [{"b": 2}, {}] and ledger.size == 1
+    tiered = CopyLedger(1, forget_on_whole_store=False)
+    tiered.record(0, ["a"], [1], 0b1111)
+    tiered.forget_evicted(["a"])  # its partial copy may have been cascaded to a secondary tier
+    assert tiered.groups == [{"a": 1}] and tiered.size == 1
+
+
+def test_the_bound_is_read_when_a_ledger_is_made(monkeypatch) -> None:
+    monkeypatch.setattr(copy_ledger, "LEDGER_MAX", 2)
+    assert CopyLedger(1).limit == 2
 
 
 def test_the_fast_path_records_what_the_slow_path_would() -> None:
@@ -160,3 +184,20 @@ def test_with_secondary_tiers_a_whole_re_store_forgets_nothing() -> None:
     ledger.record(0, ["k"], [0b10], 0b11)
     ledger.record(0, ["k"], [0b11], 0b11)
     assert ledger.groups[0] == {"k": 0b10} and ledger.size == 1
+
+
+def test_with_secondary_tiers_a_partial_re_store_keeps_only_the_slots_both_copies_hold() -> None:
+    """A tier may keep the older copy of a key (a failed or skipped re-store; vLLM 0.34.0's
+    fs tier never overwrites a file it holds), so after two partial stores of one key the
+    ledger vouches only for the slots both copies hold; a reader of slot 0 or 1 is cut."""
+    ledger = CopyLedger(1, forget_on_whole_store=False)
+    ledger.record(0, ["k"], [0b1110], 0b1111)  # the first copy lacks slot 0
+    ledger.record(0, ["k"], [0b1101], 0b1111)  # the re-store lacks slot 1
+    assert ledger.groups[0] == {"k": 0b1100} and ledger.size == 1
+    assert first_uncopied_block(4, 4, None, 0, 16, ["k"], ledger.groups[0]) == 0
+    ledger.record(0, ["k"], [0b1111], 0b1111)  # a whole re-store vouches for nothing more
+    assert ledger.groups[0] == {"k": 0b1100}
+    plain = CopyLedger(1)  # without tiers only the newest copy exists: it replaces
+    plain.record(0, ["k"], [0b1110], 0b1111)
+    plain.record(0, ["k"], [0b1101], 0b1111)
+    assert plain.groups[0] == {"k": 0b1101}

@@ -142,3 +142,16 @@ def test_observe_passes_the_call_to_vllm_and_strict_raises(wrapped_manager):
         wrapped_manager.prepare_store([1], Ctx("gone"))
     snap = finalized_store.snapshot()
     assert snap["continued"] == 1 and snap["raised"] == 1 and snap["store_dropped"] == 0
+
+
+def test_a_subclass_of_a_bound_class_is_checked_once_its_type_is_known(wrapped_manager):
+    """A manager whose class only inherits the bound ``prepare_store`` (a deployment's own
+    subclass) is checked by its base's reads; the MRO walk is cached per type."""
+    runtime.configure(policy=names.POLICY_GUARD)
+    sub = type("Sub", (type(wrapped_manager),), {})()
+    sub.on_new_request(Ctx("b"))
+    sub.on_request_finished(Ctx("b"))
+    assert sub.prepare_store([1], Ctx("b")) is None and sub.stored == []
+    assert finalized_store._BY_TYPE[type(sub)] == finalized_store._READS[type(wrapped_manager)]
+    assert sub.prepare_store([2], Ctx("b")) is None  # the cached entry answers the same
+    assert finalized_store.snapshot()["store_dropped"] == 2

@@ -189,3 +189,61 @@ def test_a_planted_store_that_skips_a_block_is_flagged_unguarded_and_cut_guarded
     guarded = harness.run_replay(trace, guard=True)
     assert planted and guarded.ok and guarded.wrong_kv_blocks == 0
     assert guarded.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1
+
+
+@pytest.mark.parametrize("policy", ["guard", "strict", "observe"])
+def test_a_full_ledger_refuses_the_partial_store_instead_of_forgetting(policy: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity hole: a ledger that forgot its oldest partial chunk at a bound let a
+    later reader of that chunk load it unchecked (the same wrong block as vLLM alone on
+    0.33.0 and 0.34.0). With no room at all (bound 0), ``sharer``'s partial store of window
+    chunk 0 is refused under guard and strict, so ``reader`` finds nothing on the CPU and
+    recomputes: 0 wrong blocks, every request finishing, no hit cut (there is none to cut),
+    and each refusal counted as a ``ledger_full`` skip with a ``store_dropped`` event naming
+    copy coverage. Under observe the store goes ahead unrecorded: vLLM's own outcome."""
+    from kvguard.guards.checks import copy_ledger
+
+    want = fact("swa_partial_chunk_wrong_kv_blocks")
+    monkeypatch.setattr(copy_ledger, "LEDGER_MAX", 0)
+    trace = load_trace(str(TRACES / CLASS_TRACE))
+    with events.capture() as logged:
+        result = harness.run_replay(trace, guard=True, policy=policy)
+    copies = result.checks[names.CHECK_COPY_COVERAGE]
+    refused = [e for e in logged if e["event"] == "store_dropped" and e["check"] == names.CHECK_COPY_COVERAGE]
+    assert result.guard_errors == {}
+    if want:  # where vLLM alone serves the wrong block, the sharer's window chunk 0 was stored partly
+        assert copies["unchecked"] >= 1
+    assert copies["hit_reduced"] == 0 and copies["raised"] == 0
+    if policy == "observe":
+        assert result.engine_survived and result.wrong_kv_blocks == want and not refused
+        return
+    assert result.ok and result.wrong_kv_blocks == 0
+    assert result.finished == result.submitted == len(trace.requests) and not result.failed_requests
+    assert len(refused) == copies["unchecked"]
+    if want:
+        assert refused[0]["request_id"] == "sharer"
+
+
+def test_the_store_builder_hands_the_ledger_the_evictions_it_forgets() -> None:
+    """The ledger forgets a key the CPU tier evicted (without tiering) by reading the
+    builder's ``store_output`` local at the store site: on this release the store builder
+    assigns it from ``self.manager.prepare_store(...)`` before it builds the store's
+    ``GPULoadStoreSpec``, and ``PrepareStoreOutput`` declares ``evicted_keys``. If a release
+    renames either, the ledger forgets nothing (sound, larger): this test names it."""
+    import ast
+    import dataclasses
+    import importlib
+    import textwrap
+
+    from vllm.v1.kv_offload.base import PrepareStoreOutput
+
+    assert "evicted_keys" in {f.name for f in dataclasses.fields(PrepareStoreOutput)}
+    module = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    builder = module.OffloadingConnectorScheduler._build_store_jobs
+    tree = ast.parse(textwrap.dedent(inspect.getsource(builder)))
+    assigned = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "store_output" for t in n.targets)
+                and isinstance(n.value, ast.Call) and getattr(n.value.func, "attr", "") == "prepare_store"]
+    specs = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", getattr(n.func, "attr", "")) == "GPULoadStoreSpec"]
+    assert assigned and specs and min(assigned) < max(specs)

@@ -23,19 +23,14 @@ def copies_checked(cs: Any, plan: offload_plan.Plan, ledger: Any, group_states: 
     made here: skipped and counted), False when :func:`loadable._act` must act.
 
     Skipped (``kvguard_check_skipped_total{check="copy_coverage"}``): a scheduler whose
-    chunk stores kvguard does not record (``store_path``), and hits checked after the
-    ledger dropped entries at its bound (``ledger_full``, once per dropped entry; the hit is
-    still checked against what the ledger holds)."""
+    chunk stores kvguard does not record (``store_path``). The ledger never forgets a
+    partial copy a tier may still hold (a store it has no room for is refused, counted as
+    ``ledger_full`` where it is refused), so a key it does not hold was written whole."""
     if not plan.stores_recorded or (ledger is not None and ledger.unreadable):
         why = ledger.unreadable if ledger is not None and ledger.unreadable else \
             "the connector scheduler's store builder was not rewritten: its chunk stores are not recorded"
         counters.skip(cs, names.CHECK_COPY_COVERAGE, counters.CC, names.SKIP_STORE_PATH, why)
         return True
-    if ledger.dropped:
-        dropped, ledger.dropped = ledger.dropped, 0
-        for _ in range(dropped):
-            counters.skip(cs, names.CHECK_COPY_COVERAGE, counters.CC, names.SKIP_LEDGER_FULL,
-                  f"the copy ledger keeps at most {ledger.limit} partly written chunks; the oldest were dropped")
     if not ledger.size:
         return True
     counters.stats[counters.CC + "evaluated"] = counters.stats.get(counters.CC + "evaluated", 0) + 1

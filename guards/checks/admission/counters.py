@@ -69,8 +69,9 @@ def snapshot_copy_coverage() -> dict[str, int]:
     """The copy coverage check's in-process counts since :func:`reset`, same keys as
     :func:`snapshot`: ``evaluated`` (hits whose load set was loadable and read against the
     copy ledger while it held partly written chunks), ``hit_reduced``, ``continued``,
-    ``raised``, ``recomputed_tokens``, ``unchecked`` (hits not checked: the scheduler's
-    stores are not recorded, or the ledger dropped entries at its bound) and ``violations``."""
+    ``raised``, ``recomputed_tokens``, ``unchecked`` (hits not checked because the
+    scheduler's stores are not recorded, and stores the full ledger refused or, under
+    observe, let through unrecorded) and ``violations``."""
     return _prefixed_snapshot(CC)
 
 

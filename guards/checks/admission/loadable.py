@@ -133,7 +133,7 @@ def check_hit(cs: Any, request: Any, num_computed_tokens: int, answer: Any, hit:
             break
     else:
         ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
-        if ledger is not None and (ledger.size or ledger.dropped or ledger.unreadable) or not plan.stores_recorded:
+        if ledger is not None and (ledger.size or ledger.unreadable) or not plan.stores_recorded:
             if not copied.copies_checked(cs, plan, ledger, req_status.group_states, num_computed_tokens, num_cached):
                 return _act(plan, req_status.group_states, get, request, num_computed_tokens, hit, answer, ledger)
         if now is not None:  # keep the verdict for vLLM's next lookup of this request
