@@ -53,8 +53,8 @@ Never at a bound. The ledger holds at most :data:`LEDGER_MAX` entries per schedu
 store that would need more is refused whole (:meth:`CopyLedger.room_for`; the store check
 drops it under ``guard`` and ``strict``: its chunks are not published, their readers
 recompute), so a partial chunk is never published unremembered (dropping the oldest entry
-instead, as a FIFO would, lets a later reader of that chunk load it unchecked: measured on
-0.33.0 and 0.34.0 with the bound lowered). Without tiering the evictions
+instead, as a FIFO would, lets a later reader of that chunk load it unchecked: issue 42
+reports it on 0.33.0 and 0.34.0 with the bound lowered in-process). Without tiering the evictions
 keep the ledger no larger than the CPU tier's partly written chunks, so the refusal is
 reached only by a CPU tier holding more than :data:`LEDGER_MAX` of them.
 
