@@ -284,6 +284,16 @@ KEY_DUPLICATED_BLOCKS = "duplicated_blocks"
 CHECK_STORE_AFTER_FINALIZE = "store_after_finalize"
 CHECKS = CHECKS + (CHECK_STORE_AFTER_FINALIZE,)
 STORE_AFTER_FINALIZE_SITE_ID = "manager:store_after_finalize"
+# --- whole chunks only beyond this engine (kvguard.guards.checks.tier_publish) ---
+#: Every chunk this engine hands to a secondary tier of vLLM's tiering manager, or to a
+#: peer fetching through it, is whole: a partly written chunk outlives the copy ledger
+#: that vouches for it (a restart, a second engine sharing the tier) (issue 42).
+CHECK_TIER_PUBLISH = "tier_publish"
+CHECKS = CHECKS + (CHECK_TIER_PUBLISH,)
+#: the partly written chunks were kept in this engine's CPU tier only (not cascaded, a
+#: remote lookup answered MISS)
+ACTION_CHUNK_WITHHELD = "chunk_withheld"
+ACTIONS = ACTIONS + (ACTION_CHUNK_WITHHELD,)
 #: The checks that count ``kvguard_recomputed_tokens_total`` (they reduce cache hits).
 RECOMPUTE_CHECKS: tuple[str, ...] = (CHECK_LOAD_COVERAGE, CHECK_COPY_COVERAGE, CHECK_LOAD_WRITES)
 

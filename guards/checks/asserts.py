@@ -28,7 +28,7 @@ from types import CodeType
 from typing import Any
 
 from kvguard.guards import names
-from kvguard.guards.checks import copy_ledger, invariants, offload_plan
+from kvguard.guards.checks import copy_ledger, invariants, offload_plan, tier_publish
 from kvguard.guards.checks.admission import counters as admission_counters
 from kvguard.guards.checks.load_coverage import Unsupported
 from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
@@ -508,13 +508,13 @@ def _record_copies(context: dict[str, Any], geometries: tuple[Any, ...], parts: 
     group_states = req_status.group_states
     ledger = cs.__dict__.get(copy_ledger.LEDGER_ATTR)
     if ledger is None:
-        # with vLLM's tiering a key's partial copy may live on in a secondary tier (cascaded,
-        # promoted back later), so neither an eviction nor a whole re-store into the CPU
-        # tier may forget it
+        # with vLLM's tiering a partly written chunk is withheld from every secondary tier
+        # (tier_publish, guard and strict); under observe it may be cascaded and promoted
+        # back later, so then neither an eviction nor a whole re-store may forget it
         manager = getattr(cs, "manager", None)
-        tiers = getattr(manager, "secondary_tiers", None)
         ledger = cs.__dict__[copy_ledger.LEDGER_ATTR] = copy_ledger.CopyLedger(
-            len(group_states), forget_on_whole_store=not tiers)
+            len(group_states), forget_on_whole_store=tier_publish.ledger_may_forget(manager))
+        tier_publish.install(manager, ledger)
     if keys_to_store is None or not hasattr(keys_to_store, "__contains__"):
         ledger.unreadable = "the store builder has no keys_to_store collection"
         return True

@@ -37,13 +37,17 @@ tier can still hold the key's partial copy, so a key the ledger does not hold wa
 whole (the soundness the admission check rests on, at any size):
 
 - when the CPU tier evicts the key (``PrepareStoreOutput.evicted_keys``, a declared field
-  in 0.21.0-0.34.0), only without vLLM's tiering (``forget_on_whole_store``): an evicted
-  key is gone, and it comes back only through a store that kvguard sees; with secondary
-  tiers the partial copy may have been cascaded and be promoted back later;
-- on a whole re-store of the key, only without vLLM's tiering, for the same reason (found
+  in 0.21.0-0.34.0), only when no secondary tier can hold a partial copy
+  (``forget_on_whole_store``: no tiering, or tiering with partial chunks withheld from
+  every tier, :mod:`kvguard.guards.checks.tier_publish`, under ``guard`` and ``strict``):
+  an evicted key is gone, and it comes back only through a store that kvguard sees or as a
+  whole copy promoted from a tier; under ``observe`` with tiering the partial copy may have
+  been cascaded and be promoted back later;
+- on a whole re-store of the key, under the same condition, for the same reason (found
   by ``kvguard fuzz --seed 1`` on 0.29.0: a re-store of a partial key that
   ``store_coverage`` then dropped had erased the entry, and the tier's partial copy was
-  loaded). With tiering a partial re-store does not replace the entry either: it keeps
+  loaded). Where a tier may hold a partial copy (``observe`` with tiering) a partial
+  re-store does not replace the entry either: it keeps
   the slots both copies hold (:meth:`CopyLedger.record`), since the tier that holds the
   older copy may not have taken the new one (vLLM 0.34.0's fs tier never overwrites a file
   it holds, ``vllm/v1/kv_offload/tiering/fs/io.py``; a failed or skipped store leaves the old
@@ -216,8 +220,8 @@ class CopyLedger:
     def record(self, group: int, keys: Sequence[Any], masks: Sequence[int], full: int) -> None:
         """Record the masks of one group's written chunks (``keys[r]`` got ``masks[r]``);
         a whole chunk (``full``) drops the key's earlier entry, if any, when
-        ``forget_on_whole_store`` (module docstring). With secondary tiers (not
-        ``forget_on_whole_store``) a key's copies may differ from tier to tier (a re-store
+        ``forget_on_whole_store`` (module docstring). Where a secondary tier may hold a
+        partial copy (not ``forget_on_whole_store``) a key's copies may differ from tier to tier (a re-store
         that fails, that backpressure skips, or that a tier does not overwrite leaves the
         older copy there), so the key keeps the slots every recorded copy holds: the
         intersection of its masks, whatever each tier's overwrite rule. May pass ``limit``:

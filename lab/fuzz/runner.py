@@ -291,7 +291,7 @@ def kvguard_did(actions: dict[str, int], died: int, count: int) -> list[str]:
     acts = {k.split(":", 1)[1] for k in actions if ":" in k}
     if "tolerated" in acts:
         out.append("tolerated")
-    if acts & {"store_dropped", "hit_reduced", "continued"}:
+    if acts & {"store_dropped", "hit_reduced", "continued", "recomputed", "free_split", "chunk_withheld"}:
         out.append("degraded")
     if acts & {"request_failed", "failed_request"}:
         out.append("request failed")

@@ -61,7 +61,7 @@ from kvguard.lab.fuzz import classes as fuzz_classes
 from kvguard.lab.replay import batch_queue, vllm_api
 from kvguard.lab.replay.jobs import WorkerModel
 from kvguard.lab.replay.stalls import StallWatch
-from kvguard.lab.replay.tiering import TierTap, tiering_manager, unlink_shared_region
+from kvguard.lab.replay.tiering import TierTap, carry_contents, tiering_manager, unlink_shared_region
 from kvguard.lab.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
 from kvguard.lab.replay.vllm_api import HarnessError, vllm_version
 from kvguard.lab.replay.simple_worker import SimpleWorker
@@ -282,6 +282,27 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         tier_tap=tap,
         batch_queue_depth=parts.batch_queue_depth,
     )
+
+
+def restart_engine(old: Engine) -> Engine:
+    """A new engine over ``old``'s secondary tiers: what an engine restarted over tiers
+    that outlive it sees (vLLM's fs, obj and p2p tiers; the lab's example tier carried over
+    by :func:`kvguard.lab.replay.tiering.carry_contents`). Everything else is new: the
+    scheduler, its GPU prefix cache, the CPU tier, kvguard's per-scheduler state (its copy
+    ledger among it) and the worker; the KV oracle keeps only the tiers' copies
+    (:meth:`~kvguard.lab.replay.kv_oracle.KVOracle.adopt_secondary`). Run the next trace
+    on it with ``run_replay(trace, engine=...)``.
+
+    Raises ``ValueError`` when ``old`` has no secondary tier (nothing outlives an engine
+    without one) and :class:`~kvguard.lab.replay.tiering.TieringUnsupported` when its tiers
+    cannot be carried.
+    """
+    if old.tier_tap is None:
+        raise ValueError("restart_engine needs geometry.secondary_tiers: without a tier nothing outlives the engine")
+    new = build_engine(old.geometry, old.worker.model)
+    carry_contents(old.tier_tap.manager, new.tier_tap.manager)
+    new.worker.oracle.adopt_secondary(old.worker.oracle)
+    return new
 
 
 class _HitRecorder:
@@ -761,6 +782,45 @@ def run_replay(
     if guard:
         _guard_report(result)
     return result
+
+
+def run_across_restart(before: Trace, after: Trace, *, guard: bool, policy: str = "guard",
+                       ) -> tuple[ReplayResult, ReplayResult]:
+    """Replay ``before`` on one engine, restart it over its secondary tiers
+    (:func:`restart_engine`) and replay ``after`` on the new one; the two results, in order.
+
+    Both traces need the same ``geometry`` with ``secondary_tiers``. Guarded, the plugin is
+    installed before each engine is built and its state reset before each replay, as a new
+    EngineCore process starts; ``--no-guard`` keeps it disabled throughout. Raises
+    ``ValueError`` when the geometries differ or have no secondary tier, and what
+    :func:`build_engine` and :func:`restart_engine` raise.
+    """
+    if before.geometry != after.geometry:
+        raise ValueError("a restart keeps the engine's geometry: the two traces' geometries differ")
+    if not before.geometry.secondary_tiers:
+        raise ValueError("run_across_restart needs geometry.secondary_tiers: without a tier nothing outlives the engine")
+    previous = os.environ.get("KVGUARD_DISABLE")
+    try:
+        if guard:
+            from kvguard.guards.reset import reset_all
+
+            reset_all()
+            install_guard(policy)
+        else:
+            os.environ["KVGUARD_DISABLE"] = "1"
+            uninstall_guard()
+        first_engine = build_engine(before.geometry, before.worker)
+        first = run_replay(before, guard=guard, policy=policy, engine=first_engine)
+        if not guard:
+            os.environ["KVGUARD_DISABLE"] = "1"  # run_replay restored the caller's value
+        second = run_replay(after, guard=guard, policy=policy, engine=restart_engine(first_engine))
+    finally:
+        if not guard:
+            if previous is None:
+                os.environ.pop("KVGUARD_DISABLE", None)
+            else:
+                os.environ["KVGUARD_DISABLE"] = previous
+    return first, second
 
 
 def _guard_report(result: ReplayResult) -> None:

@@ -413,6 +413,14 @@ class KVOracle:
         self._secondary[(int(tier), key)] = snap
         self.secondary_stored_chunks += 1
 
+    def adopt_secondary(self, other: "KVOracle") -> int:
+        """Take ``other``'s secondary-tier copies (an engine restart over persistent tiers:
+        the tiers' bytes outlive the engine, so their fingerprints do too; codes are content,
+        not request ids, so they mean the same in the new engine). Returns the copies taken."""
+        self._secondary.update({k: [None if a is None else a.copy() for a in v]
+                                for k, v in other._secondary.items()})
+        return len(other._secondary)
+
     def secondary_load(self, tier: int, key: Any, cpu_block: int) -> bool:
         """Secondary tier ``tier`` writes ``key``'s copy into CPU slot ``cpu_block``.
 

@@ -230,6 +230,36 @@ class TierTap:
         }
 
 
+def carry_contents(old_manager: Any, new_manager: Any) -> int:
+    """Give ``new_manager``'s secondary tiers what ``old_manager``'s tiers hold, tier by tier
+    (the lab's engine restart over tiers that outlive the engine: vLLM's fs, obj and p2p
+    tiers keep their chunks on disk, in a bucket or at peers; the example tier keeps them in
+    the instance, so a restart carries them over by hand). Returns the chunks carried.
+
+    Bound by the example tier's declared state, the presence dict its ``lookup`` reads
+    (``chunks: dict[OffloadKey, bool]`` in ``ExampleSecondaryTierManager.__init__`` of
+    0.33.0 and 0.34.0, ``blocks`` in 0.25.1 and 0.29.0). Raises
+    :class:`TieringUnsupported` for a tier without one or a tier count that differs.
+    """
+    old = list(getattr(old_manager, "secondary_tiers", None) or ())
+    new = list(getattr(new_manager, "secondary_tiers", None) or ())
+    if len(old) != len(new):
+        raise TieringUnsupported(f"a restart must keep the tiers: {len(old)} before, {len(new)} after")
+    carried = 0
+    for before, after in zip(old, new):
+        name = next((n for n in PRESENCE_FIELDS if isinstance(vars(before).get(n), dict)), None)
+        if name is None or not isinstance(vars(after).get(name), dict):
+            raise TieringUnsupported(f"{type(before).__qualname__} keeps no presence dict the lab can carry over")
+        held = vars(before)[name]
+        vars(after)[name].update(held)
+        carried += len(held)
+    return carried
+
+
+#: the example tier's presence dict, by release (:func:`carry_contents`)
+PRESENCE_FIELDS = ("chunks", "blocks")
+
+
 def unlink_shared_region(manager: Any) -> list[str]:
     """Unlink the ``/dev/shm`` files of the CPU tier's scheduler-side shared region.
 

@@ -1,0 +1,73 @@
+"""The pure parts of ``tier_publish``: which keys are partial, the job copy without them,
+and when the ledger may forget with tiers (the wrappers on vLLM's real tiering manager:
+tests/vllm/test_tier_restart.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from kvguard.guards import names
+from kvguard.guards.checks import copy_ledger, tier_publish
+from kvguard.guards.policy import runtime
+
+
+@dataclass
+class _Job:  # the fields vLLM 0.29-0.34's TransferJob declares that the copy touches
+    job_id: int
+    keys: list
+    chunk_ids: np.ndarray
+    is_promotion: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class _OldJob(NamedTuple):  # 0.25.1's slot field name, as a named tuple
+    job_id: int
+    keys: tuple
+    block_ids: list
+
+
+def _ledger() -> copy_ledger.CopyLedger:
+    ledger = copy_ledger.CopyLedger(2)
+    ledger.record(1, [b"k1"], [0b10], 0b11)  # group 1: k1 written partly
+    return ledger
+
+
+def test_partial_keys_are_those_the_ledger_holds_in_any_group() -> None:
+    ledger = _ledger()
+    assert tier_publish.partial_keys_of(ledger, [b"k0", b"k1", b"k2"]) == [False, True, False]
+    ledger.record(1, [b"k1"], [0b11], 0b11)  # rewritten whole: forgotten (forget mode)
+    assert tier_publish.partial_keys_of(ledger, [b"k1"]) == [False]
+    ledger.unreadable = "no keys_to_store"
+    assert tier_publish.partial_keys_of(ledger, [b"k0", b"k1"]) == [True, True]  # it vouches for none
+
+
+def test_the_job_copy_keeps_its_id_and_drops_keys_with_their_slots() -> None:
+    job = _Job(7, [b"a", b"b", b"c"], np.array([4, 5, 6]))
+    out = tier_publish._without(job, [True, False, True])
+    assert out.job_id == 7 and out.keys == [b"a", b"c"] and out.chunk_ids.tolist() == [4, 6]
+    assert isinstance(out.chunk_ids, np.ndarray) and job.keys == [b"a", b"b", b"c"]  # the original is untouched
+    none = tier_publish._without(job, [False, False, False])
+    assert none.keys == [] and none.chunk_ids.tolist() == []
+    old = tier_publish._without(_OldJob(3, (b"a", b"b"), [9, 8]), [False, True])
+    assert old == _OldJob(3, [b"b"], [8])
+    with pytest.raises(TypeError, match="chunk_ids"):
+        tier_publish._without(object(), [True])
+
+
+class _Tiered:
+    secondary_tiers = [object()]
+
+
+@pytest.mark.parametrize(("policy", "tiers", "forget"), [
+    (names.POLICY_GUARD, True, True), (names.POLICY_STRICT, True, True),
+    (names.POLICY_OBSERVE, True, False), (names.POLICY_OBSERVE, False, True)])
+def test_the_ledger_forgets_with_tiers_only_while_partial_chunks_are_withheld(policy, tiers, forget) -> None:
+    previous = runtime.configure(policy=policy)
+    try:
+        assert tier_publish.ledger_may_forget(_Tiered() if tiers else object()) is forget
+    finally:
+        runtime.configure(policy=previous["policy"])
