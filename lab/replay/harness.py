@@ -48,6 +48,7 @@ update, every step).
 from __future__ import annotations
 
 import gc
+import heapq
 import inspect
 import os
 import sys
@@ -505,7 +506,25 @@ class _Replay:
         self.queue = batch_queue.BatchQueue(engine.batch_queue_depth)
         result.async_scheduling = engine.batch_queue_depth > 1
         result.lag = self.queue
-        self.pending = list(trace.requests)
+        # the arrival index (a long life has tens of thousands of requests pending: a scan
+        # of all of them per step made 100,000-step replays quadratic): indices of the trace
+        # requests not arrived yet; no-wait requests by arrival step in a heap; per request
+        # with waits, how many are not finished yet, and who waits for each id
+        reqs = trace.requests
+        self.pending: set[int] = set(range(len(reqs)))
+        self._timed: list[tuple[int, int]] = []
+        self._unfinished_waits: dict[int, int] = {}
+        self._dependents: dict[str, list[int]] = {}
+        self._ready: list[int] = []
+        for i, treq in enumerate(reqs):
+            waits = treq.waits_for
+            if waits:
+                self._unfinished_waits[i] = len(waits)
+                for w in waits:
+                    self._dependents.setdefault(w, []).append(i)
+            else:
+                self._timed.append((treq.arrival_step, i))
+        heapq.heapify(self._timed)
         self.live: dict[str, Any] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
@@ -517,14 +536,19 @@ class _Replay:
 
     def arrive(self, step: int) -> bool:
         """Add every trace request due at ``step`` (its ``waits_for`` finished, or its
-        ``arrival_step`` reached); True when one arrived."""
-        arrived = False
-        still: list[TraceRequest] = []
-        for treq in self.pending:
-            waits = treq.waits_for
-            if not (all(w in self.finished for w in waits) and (bool(waits) or treq.arrival_step <= step)):
-                still.append(treq)
-                continue
+        ``arrival_step`` reached), in trace order; True when one arrived. A request's waits
+        are counted down as they finish (:meth:`collect`), so a step costs what arrives, not
+        what is pending."""
+        due, self._ready = self._ready, []
+        timed = self._timed
+        while timed and timed[0][0] <= step:
+            due.append(heapq.heappop(timed)[1])
+        if not due:
+            return False
+        due.sort()
+        for i in due:
+            treq = self.trace.requests[i]
+            self.pending.discard(i)
             prompt = _prompt_tokens(treq, self.outputs, self.trace.geometry.vocab_size)
             if treq.external_hit_tokens is not None:
                 self.recorder.targets[treq.id] = treq.external_hit_tokens
@@ -534,9 +558,7 @@ class _Replay:
             self.engine.scheduler.add_request(request)
             self.live[treq.id] = request
             self.result.submitted += 1
-            arrived = True
-        self.pending = still
-        return arrived
+        return True
 
     def abort(self, step: int) -> bool:
         """Client aborts (trace ``abort_at_step``): after the step's arrivals, before its
@@ -627,17 +649,21 @@ class _Replay:
                 continue
             self.outputs[rid] = list(req.output_token_ids)
             self.finished.add(rid)
+            for i in self._dependents.get(rid, ()):
+                left = self._unfinished_waits[i] - 1
+                self._unfinished_waits[i] = left
+                if left == 0 and i in self.pending:
+                    self._ready.append(i)
         # a request that waits for a failed one never arrives, nor does one that waits for
         # it (transitively: before, a second-level dependant stayed pending and the replay
         # reported a stall with every arrived request ended; fuzz seed 0 on 0.34.0)
-        gone = set(self.failed_ids)
-        while True:
-            blocked = [t for t in self.pending if any(w in gone for w in t.waits_for)]
-            if not blocked:
-                break
-            result.not_arrived += len(blocked)
-            gone.update(t.id for t in blocked)
-            self.pending = [t for t in self.pending if t not in blocked]
+        gone = [rid for rid in done_now if rid in self.failed_ids]
+        while gone:
+            for i in self._dependents.get(gone.pop(), ()):
+                if i in self.pending:
+                    self.pending.discard(i)
+                    result.not_arrived += 1
+                    gone.append(self.trace.requests[i].id)
         result.finished = len(self.finished)
         return done_now
 
