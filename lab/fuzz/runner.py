@@ -527,6 +527,8 @@ def fuzz(
         "async_scheduling_examples": 0,
         # examples replayed on the SimpleCPUOffloadConnector (geometry.connector)
         "simple_connector_examples": 0,
+        # engine restarts over the secondary tiers the examples' traces asked for (--epochs)
+        "engine_restarts": 0,
         # guarded: examples where kvguard acted (replayed unguarded too when differential)
         "acted_examples": 0,
     }
@@ -564,6 +566,7 @@ def fuzz(
         totals["examples"] += 1
         totals["async_scheduling_examples"] += int(getattr(trace.geometry, "async_scheduling", False))
         totals["simple_connector_examples"] += int(trace.geometry.connector == "SimpleCPUOffloadConnector")
+        totals["engine_restarts"] += len(getattr(trace, "restarts", ()))
         count_layout(layouts, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted

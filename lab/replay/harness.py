@@ -131,6 +131,10 @@ class ReplayResult:
     guard_errors: dict[str, int] = field(default_factory=dict)
     #: the instrumentor's report: installed, not_rewritten, disabled, special_missing, modules
     sites: dict[str, Any] = field(default_factory=dict)
+    #: engine restarts the trace made (``restart`` lines), and the KV oracles of the engines
+    #: before the last one (``worker`` is the last engine's)
+    restarts: int = 0
+    retired_oracles: list[Any] = field(default_factory=list, repr=False)
     #: per request: local GPU hit and external hit tokens seen by the connector lookup
     hits: dict[str, dict[str, int]] = field(default_factory=dict)
     #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
@@ -148,17 +152,22 @@ class ReplayResult:
     #: promoted from the secondary tiers); ``None`` without a secondary tier
     secondary_tiers: dict[str, int] | None = None
 
+    def oracles(self) -> list[Any]:
+        """The KV-content oracles of every engine of the replay, oldest first."""
+        oracle = self.worker.oracle if self.worker is not None else None
+        return self.retired_oracles + ([oracle] if oracle is not None else [])
+
     @property
     def wrong_kv_requests(self) -> set[str]:
-        """Ids of the requests the KV-content oracle found reading wrong KV (empty without one)."""
-        oracle = self.worker.oracle if self.worker is not None else None
-        return oracle.wrong_kv_requests if oracle is not None else set()
+        """Ids of the requests the KV-content oracle found reading wrong KV (empty without
+        one), on every engine of the replay (a trace with restarts has several)."""
+        return set().union(*(o.wrong_kv_requests for o in self.oracles()))
 
     @property
     def wrong_kv_blocks(self) -> int:
-        """GPU blocks the KV-content oracle found holding wrong KV (0 without an oracle)."""
-        oracle = self.worker.oracle if self.worker is not None else None
-        return oracle.wrong_kv_blocks if oracle is not None else 0
+        """GPU blocks the KV-content oracle found holding wrong KV (0 without an oracle), on
+        every engine of the replay."""
+        return sum(o.wrong_kv_blocks for o in self.oracles())
 
     @property
     def ok(self) -> bool:
@@ -291,8 +300,8 @@ def restart_engine(old: Engine) -> Engine:
     by :func:`kvguard.lab.replay.tiering.carry_contents`). Everything else is new: the
     scheduler, its GPU prefix cache, the CPU tier, kvguard's per-scheduler state (its copy
     ledger among it) and the worker; the KV oracle keeps only the tiers' copies
-    (:meth:`~kvguard.lab.replay.kv_oracle.KVOracle.adopt_secondary`). Run the next trace
-    on it with ``run_replay(trace, engine=...)``.
+    (:meth:`~kvguard.lab.replay.kv_oracle.KVOracle.adopt_secondary`). A trace's ``restart``
+    lines call it (:meth:`_Replay.restart`).
 
     Raises ``ValueError`` when ``old`` has no secondary tier (nothing outlives an engine
     without one) and :class:`~kvguard.lab.replay.tiering.TieringUnsupported` when its tiers
@@ -516,15 +525,33 @@ class _Replay:
         self._unfinished_waits: dict[int, int] = {}
         self._dependents: dict[str, list[int]] = {}
         self._ready: list[int] = []
+        # engine restarts (trace ``restart`` lines): the phase of each request; a request of a
+        # later phase than the engine's waits in ``_held`` until its restart
+        starts = set(trace.restarts)
+        self.phase = 0
+        phase = 0
+        self._phase_of: list[int] = []
+        for treq in reqs:
+            if treq.id in starts:
+                phase += 1
+            self._phase_of.append(phase)
+        self.phases = phase + 1
+        self._phase_pending = [0] * self.phases
+        for p in self._phase_of:
+            self._phase_pending[p] += 1
+        self._held: list[list[tuple[int, int]]] = [[] for _ in range(self.phases)]
         for i, treq in enumerate(reqs):
             waits = treq.waits_for
             if waits:
                 self._unfinished_waits[i] = len(waits)
                 for w in waits:
                     self._dependents.setdefault(w, []).append(i)
+            elif self._phase_of[i]:
+                self._held[self._phase_of[i]].append((treq.arrival_step, i))
             else:
                 self._timed.append((treq.arrival_step, i))
         heapq.heapify(self._timed)
+
         self.live: dict[str, Any] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
@@ -549,6 +576,7 @@ class _Replay:
         for i in due:
             treq = self.trace.requests[i]
             self.pending.discard(i)
+            self._phase_pending[self._phase_of[i]] -= 1
             prompt = _prompt_tokens(treq, self.outputs, self.trace.geometry.vocab_size)
             if treq.external_hit_tokens is not None:
                 self.recorder.targets[treq.id] = treq.external_hit_tokens
@@ -573,6 +601,34 @@ class _Replay:
                 self.result.aborted += 1
                 aborted = True
         return aborted
+
+    def restart(self) -> None:
+        """The next ``restart`` of the trace: a new engine over this one's secondary tiers
+        (:func:`restart_engine`), its hit recorder, stall watch and batch queue; the next
+        phase's requests become due (a timed one at once if its step has passed)."""
+        old = self.engine
+        self.recorder.restore()
+        self.watch.restore()
+        if old.tier_tap is not None:
+            old.tier_tap.restore()
+        if old.worker.oracle is not None:
+            self.result.retired_oracles.append(old.worker.oracle)
+        self.engine = new = restart_engine(old)
+        self.recorder = _HitRecorder(new.connector_scheduler, self.result)
+        self.watch = StallWatch(new.connector_scheduler)
+        self.queue = batch_queue.BatchQueue(new.batch_queue_depth)
+        self.result.lag = self.queue
+        self.result.worker = new.worker
+        self.result.restarts += 1
+        self.phase += 1
+        for at, i in self._held[self.phase]:
+            if at < 0:
+                self._ready.append(i)
+            else:
+                heapq.heappush(self._timed, (at, i))
+        self._held[self.phase] = []
+        self.drain_steps = 0
+        self.idle_steps = 0
 
     def fates(self) -> dict[str, str]:
         """How each trace request ended so far (``ReplayResult.request_fates``)."""
@@ -653,7 +709,10 @@ class _Replay:
                 left = self._unfinished_waits[i] - 1
                 self._unfinished_waits[i] = left
                 if left == 0 and i in self.pending:
-                    self._ready.append(i)
+                    if self._phase_of[i] > self.phase:
+                        self._held[self._phase_of[i]].append((-1, i))
+                    else:
+                        self._ready.append(i)
         # a request that waits for a failed one never arrives, nor does one that waits for
         # it (transitively: before, a second-level dependant stayed pending and the replay
         # reported a stall with every arrived request ended; fuzz seed 0 on 0.34.0)
@@ -662,6 +721,7 @@ class _Replay:
             for i in self._dependents.get(gone.pop(), ()):
                 if i in self.pending:
                     self.pending.discard(i)
+                    self._phase_pending[self._phase_of[i]] -= 1
                     result.not_arrived += 1
                     gone.append(self.trace.requests[i].id)
         result.finished = len(self.finished)
@@ -673,7 +733,8 @@ class _Replay:
             self.idle_steps = 0
             return False
         self.idle_steps += 1
-        if self.idle_steps >= STALL_STEPS and (self.live or self.pending):
+        # requests of a later phase wait for their restart, not for this engine
+        if self.idle_steps >= STALL_STEPS and (self.live or self._phase_pending[self.phase]):
             self.result.stalled = True
             self.result.stalls = self.watch.findings(
                 self.result.steps, self.live, self.engine.worker, scheduler=self.engine.scheduler)
@@ -684,6 +745,9 @@ class _Replay:
             before_step: Callable[[], None] | None) -> None:
         """Step until every request is done and the connector drained, or a stall."""
         for step in range(MAX_STEPS):
+            if (self.phase + 1 < self.phases and not self.live and not self._phase_pending[self.phase]
+                    and self.drained()):
+                self.restart()
             progressed = self.arrive(step)
             progressed = self.abort(step) or progressed
             if not self.live and not self.pending and self.drained():
@@ -776,6 +840,7 @@ def run_replay(
                 gc.callbacks.remove(_on_full_gc)
     except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
         result.stalled = True
+        engine, watch = replay.engine, replay.watch  # the engine of the last restart
         result.stalls = watch.findings(result.steps, replay.live, engine.worker, hang.jobs,
                                       scheduler=engine.scheduler)
     except _BuildFailed as failed:
@@ -789,6 +854,8 @@ def run_replay(
             result.error = _describe(exc)
             result.error_site = _error_site(exc)
     finally:
+        if replay is not None:  # after a restart, the last engine's
+            engine, watch, recorder = replay.engine, replay.watch, replay.recorder
         if watch is not None:
             watch.restore()
         if recorder is not None:
@@ -808,45 +875,6 @@ def run_replay(
     if guard:
         _guard_report(result)
     return result
-
-
-def run_across_restart(before: Trace, after: Trace, *, guard: bool, policy: str = "guard",
-                       ) -> tuple[ReplayResult, ReplayResult]:
-    """Replay ``before`` on one engine, restart it over its secondary tiers
-    (:func:`restart_engine`) and replay ``after`` on the new one; the two results, in order.
-
-    Both traces need the same ``geometry`` with ``secondary_tiers``. Guarded, the plugin is
-    installed before each engine is built and its state reset before each replay, as a new
-    EngineCore process starts; ``--no-guard`` keeps it disabled throughout. Raises
-    ``ValueError`` when the geometries differ or have no secondary tier, and what
-    :func:`build_engine` and :func:`restart_engine` raise.
-    """
-    if before.geometry != after.geometry:
-        raise ValueError("a restart keeps the engine's geometry: the two traces' geometries differ")
-    if not before.geometry.secondary_tiers:
-        raise ValueError("run_across_restart needs geometry.secondary_tiers: without a tier nothing outlives the engine")
-    previous = os.environ.get("KVGUARD_DISABLE")
-    try:
-        if guard:
-            from kvguard.guards.reset import reset_all
-
-            reset_all()
-            install_guard(policy)
-        else:
-            os.environ["KVGUARD_DISABLE"] = "1"
-            uninstall_guard()
-        first_engine = build_engine(before.geometry, before.worker)
-        first = run_replay(before, guard=guard, policy=policy, engine=first_engine)
-        if not guard:
-            os.environ["KVGUARD_DISABLE"] = "1"  # run_replay restored the caller's value
-        second = run_replay(after, guard=guard, policy=policy, engine=restart_engine(first_engine))
-    finally:
-        if not guard:
-            if previous is None:
-                os.environ.pop("KVGUARD_DISABLE", None)
-            else:
-                os.environ["KVGUARD_DISABLE"] = previous
-    return first, second
 
 
 def _guard_report(result: ReplayResult) -> None:

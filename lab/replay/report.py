@@ -151,7 +151,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
             }
         )
     oracle = worker.oracle if worker is not None else None
-    return {
+    out = {
         "vllm_version": result.vllm_version,
         "trace": result.trace,
         "guard": result.guard,
@@ -173,7 +173,7 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         },
         "failed_requests": result.failed_requests,
         "wrong_kv_blocks": result.wrong_kv_blocks,
-        "wrong_kv": list(oracle.wrong_kv) if oracle is not None else [],
+        "wrong_kv": [w for o in result.oracles() for w in o.wrong_kv],
         "checks": result.checks,
         "guard_errors": result.guard_errors,
         "sites": {k: v for k, v in result.sites.items() if k != "modules"},
@@ -203,6 +203,9 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
         "pending_store_keys": result.pending_store_keys,
         "secondary_tiers": result.secondary_tiers,
     }
+    if result.restarts:  # a trace with restart lines: the figures above sum every engine's
+        out["restarts"] = result.restarts
+    return out
 
 
 def to_text(report: dict[str, Any]) -> str:

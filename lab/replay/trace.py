@@ -144,6 +144,17 @@ Request (one per line, in arrival order)::
   allocation the public report names; whether the hit survives it is the release's own
   pinning (vllm#42289: the lookup ``touch``es its hit from 0.25.1 on).
 
+Restart (optional, between two requests)::
+
+    {"kind": "restart"}
+
+The engine restarts over its secondary tiers (vLLM's fs, obj and p2p tiers outlive the
+engine; the lab carries its example tier over): once every request before the line has
+ended and the connector drained, a new engine (scheduler, GPU prefix cache, CPU tier,
+worker, kvguard's per-scheduler state) is built over the same tier contents, and the
+requests after the line arrive there. Needs ``geometry.secondary_tiers``. An ``after`` or
+``output_of`` across a restart is allowed (the client keeps the earlier answer).
+
 Prompt tokens are generated at replay time and are never written to a report or log.
 """
 
@@ -384,6 +395,12 @@ class Trace:
     source: str = field(default="", compare=False)
     #: the simulated worker's timing and faults (header ``worker``; default: immediate)
     worker: WorkerModel = field(default_factory=WorkerModel)
+    #: engine restarts over the secondary tiers: the ids of the requests each restart comes
+    #: before (a ``{"kind": "restart"}`` line; needs ``geometry.secondary_tiers``). The engine
+    #: restarts once every request before it has ended and the connector drained; the
+    #: requests after it arrive on the new engine (lab/replay/harness.py). An id no longer in
+    #: ``requests`` (a shrunk trace) drops its restart.
+    restarts: tuple[str, ...] = ()
 
     def dumps(self) -> str:
         """Serialize back to JSONL (one header line, one line per request)."""
@@ -396,7 +413,12 @@ class Trace:
         }
         if not self.worker.is_default:
             header["worker"] = self.worker.to_json()
-        lines = [json.dumps(header)] + [json.dumps(r.to_json()) for r in self.requests]
+        restarts = set(self.restarts)
+        lines = [json.dumps(header)]
+        for r in self.requests:
+            if r.id in restarts:
+                lines.append(json.dumps({"kind": "restart"}))
+            lines.append(json.dumps(r.to_json()))
         return "\n".join(lines) + "\n"
 
 
@@ -425,6 +447,8 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
     requests: list[TraceRequest] = []
     seen: set[str] = set()
     aborting: set[str] = set()  # ids with abort_at_step: nothing may depend on them
+    restarts: list[str] = []
+    restart_where: str | None = None  # a restart line not followed by a request yet
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -439,8 +463,15 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                 raise TraceError(f"{where}: first line must be a {FORMAT!r} header")
             header = obj
             continue
+        if kind == "restart":
+            if set(obj) != {"kind"}:
+                raise TraceError(f"{where}: a restart line has no other field")
+            if not requests or restart_where is not None:
+                raise TraceError(f"{where}: a restart must come between requests")
+            restart_where = where
+            continue
         if kind != "request":
-            raise TraceError(f"{where}: expected kind 'request', got {kind!r}")
+            raise TraceError(f"{where}: expected kind 'request' or 'restart', got {kind!r}")
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid or rid in seen:
             raise TraceError(f"{where}: id must be a unique non-empty string")
@@ -477,6 +508,9 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
             raise TraceError(f"{where}: evict_cpu_after_lookup must be true or false")
         if abort is not None:
             aborting.add(rid)
+        if restart_where is not None:
+            restarts.append(rid)
+            restart_where = None
         seen.add(rid)
         requests.append(
             TraceRequest(
@@ -525,6 +559,11 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                          "and hung events only")
     if not requests:
         raise TraceError(f"{source}: a trace needs at least one request")
+    if restart_where is not None:
+        raise TraceError(f"{restart_where}: a restart must come between requests")
+    if restarts and not geometry.secondary_tiers:
+        raise TraceError(f"{source}: a restart needs geometry.secondary_tiers (without a tier "
+                         "nothing outlives the engine)")
     return Trace(
         name=str(header.get("name") or Path(source).stem),
         geometry=geometry,
@@ -532,6 +571,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         description=str(header.get("description", "")),
         source=source,
         worker=worker,
+        restarts=tuple(restarts),
     )
 
 

@@ -249,3 +249,29 @@ def test_simple_connector_worker_latency_and_hangs_are_accepted() -> None:
     worker = {"load_latency_steps": {"min": 0, "max": 3}, "hang_store_jobs": [1], "seed": 5}
     trace = parse_trace(_lines({**HEADER, "geometry": SIMPLE_GEO, "worker": worker}, _req("a")))
     assert trace.worker.load_latency.max == 3 and trace.worker.store_faults.hang_jobs == frozenset({1})
+
+
+def test_a_restart_line_parses_to_the_next_request_and_round_trips() -> None:
+    restart = {"kind": "restart"}
+    trace = parse_trace(_lines(_tiered([{"type": "example"}]), _req("a"), restart, _req("b"), _req("c"),
+                               restart, _req("d", after="a")))
+    assert trace.restarts == ("b", "d")
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    assert trace.dumps().count('"restart"') == 2
+    assert parse_trace(_lines(_tiered([{"type": "example"}]), _req("a"))).restarts == ()
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([_tiered([{"type": "example"}]), {"kind": "restart"}, _req("a")], "between requests"),
+        ([_tiered([{"type": "example"}]), _req("a"), {"kind": "restart"}], "between requests"),
+        ([_tiered([{"type": "example"}]), _req("a"), {"kind": "restart"}, {"kind": "restart"}, _req("b")],
+         "between requests"),
+        ([_tiered([{"type": "example"}]), _req("a"), {"kind": "restart", "at": 3}, _req("b")], "no other field"),
+        ([HEADER, _req("a"), {"kind": "restart"}, _req("b")], "needs geometry.secondary_tiers"),
+    ],
+)
+def test_a_restart_line_is_checked(lines, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        parse_trace(_lines(*lines))

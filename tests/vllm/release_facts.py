@@ -56,9 +56,8 @@ FACTS: dict[str, str] = {
         "wrong_kv_blocks (null where the release has no vLLM tiering: the trace cannot be expressed)"
     ),
     "tier_restart_swa_partial_wrong_kv_blocks": (
-        "`python tests/vllm/restart_replay.py tests/vllm/traces/tier-restart-swa-partial-before.jsonl "
-        "tests/vllm/traces/tier-restart-swa-partial-after.jsonl --no-guard`: the second replay's wrong_kv_blocks "
-        "(null where the release has no vLLM tiering)"
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/tier-restart-swa-partial.jsonl`: "
+        "wrong_kv_blocks (null where the release has no vLLM tiering)"
     ),
     "stale_zeroing_026_wrong_kv_blocks": (
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "

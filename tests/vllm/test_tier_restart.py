@@ -3,23 +3,23 @@
 The hole (issue 42, "restarts and shared tiers"): the copy ledger that knows which chunks
 a store wrote only partly lives in the engine process; vLLM's tiering cascades every
 stored chunk to its secondary tiers, and the fs, obj and p2p tiers keep them after the
-engine exits or serve them to other engines. The traces are written from the mechanism
-(``tier-restart-swa-partial-before.jsonl`` / ``-after.jsonl``, the swa-partial-chunk
-class of tests/vllm/test_copy_coverage.py with vLLM's example tier): before the restart,
-``sharer`` stores window chunk 0 with sub-block 0 never copied and the tier receives it;
-after the restart (:func:`kvguard.lab.replay.harness.run_across_restart`: a new engine,
-the tier's contents and the oracle's fingerprints of them carried over) ``reader``
-promotes that chunk and reads the uncopied slot, and ``again`` re-reads the writer's
-whole chunks.
+engine exits or serve them to other engines. ``tier-restart-swa-partial.jsonl`` is written
+from the mechanism (the swa-partial-chunk class of tests/vllm/test_copy_coverage.py with
+vLLM's example tier and a ``restart`` line): before the restart ``sharer`` stores window
+chunk 0 with sub-block 0 never copied and the tier receives it; after it (a new engine
+over the same tier contents, the oracle's fingerprints of them carried over:
+``harness.restart_engine``) ``reader`` promotes that chunk and reads the uncopied slot, and
+``again`` re-reads the writer's whole chunks.
 
-Expectations: how many wrong blocks vLLM alone serves after the restart is a measured
-release fact (``tier_restart_swa_partial_wrong_kv_blocks``); guarded, none on every
-release with tiering, every request finishing, and ``again``'s hit from the tier the same
-as vLLM alone's (whole chunks are still published and loaded).
+Expectations: how many wrong blocks vLLM alone serves is a measured release fact
+(``tier_restart_swa_partial_wrong_kv_blocks``); guarded, none on every release with
+tiering, every request finishing, and ``again``'s hit the same as vLLM alone's (whole
+chunks are still published and loaded).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -34,9 +34,7 @@ from kvguard.lab.replay.trace import load_trace
 
 pytestmark = pytest.mark.vllm
 
-TRACES = Path(__file__).parent / "traces"
-BEFORE = TRACES / "tier-restart-swa-partial-before.jsonl"
-AFTER = TRACES / "tier-restart-swa-partial-after.jsonl"
+TRACE = Path(__file__).parent / "traces" / "tier-restart-swa-partial.jsonl"
 FACT = "tier_restart_swa_partial_wrong_kv_blocks"
 
 
@@ -47,53 +45,56 @@ def _fresh_guard():
     harness.uninstall_guard()
 
 
-def _traces():
+def _trace():
     want = fact(FACT)
     if want is None:  # a release without vLLM's tiering: the trace cannot be expressed
         assert unsupported_reason() is not None
         pytest.skip(f"no vLLM tiering on this release ({unsupported_reason()}; release fact {FACT} is null)")
-    return load_trace(str(BEFORE)), load_trace(str(AFTER)), want
+    return load_trace(str(TRACE)), want
 
 
 def test_a_restart_over_the_tier_loads_no_partial_chunk_and_keeps_whole_hits() -> None:
-    before, after, want = _traces()
-    plain = harness.run_across_restart(before, after, guard=False)
-    assert all(r.engine_survived and not r.stalled for r in plain)
-    assert plain[0].wrong_kv_blocks == 0 and plain[1].wrong_kv_blocks == want, plain[1].worker.oracle.wrong_kv
+    trace, want = _trace()
+    assert trace.restarts == ("reader",)
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled and plain.restarts == 1
+    assert plain.wrong_kv_blocks == want, plain.worker.oracle.wrong_kv
     if want:  # the wrong block is the uncopied slot of the promoted chunk, read by `reader`
-        assert {w["request_id"] for w in plain[1].worker.oracle.wrong_kv} == {"reader"}
-        assert plain[1].secondary_tiers["promoted_chunks"] >= 1
-    guarded = harness.run_across_restart(before, after, guard=True)
-    for result, trace in zip(guarded, (before, after)):
-        assert result.ok and result.wrong_kv_blocks == 0 and result.guard_errors == {}
-        assert result.finished == result.submitted == len(trace.requests) and not result.failed_requests
-    withheld = guarded[0].checks[names.CHECK_TIER_PUBLISH]["violations"]
+        assert plain.wrong_kv_requests == {"reader"}
+        assert plain.secondary_tiers["promoted_chunks"] >= 1
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok and guarded.restarts == 1 and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == guarded.submitted == len(trace.requests) and not guarded.failed_requests
+    withheld = guarded.checks[names.CHECK_TIER_PUBLISH]["violations"]
     assert (withheld >= 1) == bool(want)  # the partial chunk never reached the tier
-    # the whole chunks did: `again` hits the same tokens in the tier as vLLM alone
-    assert guarded[1].hits["again"] == plain[1].hits["again"]
-    if plain[1].secondary_tiers["promoted_chunks"]:  # 0.25.1 and 0.26.0 promote nothing from this tier
-        assert guarded[1].hits["again"]["external_hit_tokens"] > 0
+    # the whole chunks did: `again` hits the same tokens as vLLM alone
+    assert guarded.hits["again"] == plain.hits["again"]
+    if plain.secondary_tiers["promoted_chunks"]:  # 0.25.1 and 0.26.0 promote nothing from this tier
+        assert guarded.hits["again"]["external_hit_tokens"] > 0
 
 
 def test_observe_publishes_and_counts() -> None:
     """``observe`` changes nothing vLLM does: the partial chunk is cascaded (counted
     ``continued``) and the restarted engine serves the same wrong KV as vLLM alone."""
-    before, after, want = _traces()
+    trace, want = _trace()
     if not want:
         pytest.skip(f"vLLM alone publishes no partial chunk with this trace on this release (release fact {FACT})")
-    observed = harness.run_across_restart(before, after, guard=True, policy="observe")
-    assert observed[1].wrong_kv_blocks == want
-    assert observed[0].checks[names.CHECK_TIER_PUBLISH]["violations"] >= 1
+    observed = harness.run_replay(trace, guard=True, policy="observe")
+    assert observed.wrong_kv_blocks == want
+    assert observed.checks[names.CHECK_TIER_PUBLISH]["violations"] >= 1
 
 
 def test_a_remote_lookup_of_a_partial_chunk_answers_miss() -> None:
     """The second path out of the CPU tier: a peer (the p2p tier's server, 0.34.0's kvcr
     tier) asks through vLLM's tier-facing parent (``lookup(..., exclude_tier_idx=origin)``)
-    and pins what answers HIT. After ``before``, the partly written key is in the CPU tier:
-    vLLM alone answers HIT to the peer; guarded, MISS; a whole key answers HIT both ways."""
-    before, _after, want = _traces()
+    and pins what answers HIT. Before the restart, the partly written key is in the CPU
+    tier: vLLM alone answers HIT to the peer; guarded, MISS; a whole key answers HIT both
+    ways."""
+    trace, want = _trace()
     if not want:
         pytest.skip(f"no partial chunk is stored with this trace on this release (release fact {FACT})")
+    cut = [r.id for r in trace.requests].index(trace.restarts[0])
+    before = dataclasses.replace(trace, requests=trace.requests[:cut], restarts=())
     answers = {}
     for guard in (True, False):
         if guard:
