@@ -73,8 +73,11 @@ __all__ = ["STALL_STEPS", "MAX_STEPS", "ReplayResult", "Engine", "HarnessError",
 
 #: Steps without any scheduled token, finished request or arrival before a replay stops.
 STALL_STEPS = 64
-#: Hard cap on steps per replay (a runaway trace is a bug, not a result).
+#: Hard cap on steps per replay (a runaway trace is a bug, not a result), raised for a long
+#: trace to :data:`STEPS_PER_REQUEST` per request: a 2,500-epoch life (``kvguard fuzz
+#: --epochs``) of tens of thousands of requests ran into a flat 200,000 and read as a stall.
 MAX_STEPS = 200_000
+STEPS_PER_REQUEST = 64
 
 @dataclass
 class ReplayResult:
@@ -744,7 +747,7 @@ class _Replay:
     def run(self, progress: Callable[[int, int, int], None] | None,
             before_step: Callable[[], None] | None) -> None:
         """Step until every request is done and the connector drained, or a stall."""
-        for step in range(MAX_STEPS):
+        for step in range(max(MAX_STEPS, STEPS_PER_REQUEST * len(self.trace.requests))):
             if (self.phase + 1 < self.phases and not self.live and not self._phase_pending[self.phase]
                     and self.drained()):
                 self.restart()
