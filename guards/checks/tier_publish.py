@@ -5,8 +5,8 @@ hands to something that can outlive it or that another engine reads (a secondary
 vLLM's ``TieringOffloadingManager``, a peer fetching through it) is whole**: each of its
 sub-blocks was copied from the GPU block the storing request's table held there. The copy
 ledger (:mod:`kvguard.guards.checks.copy_ledger`) knows which chunks were written partly,
-but it lives in this process; vLLM's fs, obj and p2p tiers (``vllm/v1/kv_offload/tiering``,
-0.29.0 onwards; fs and obj on 0.25.1) keep chunks after the engine exits or serve them to
+but it lives in this process; vLLM's fs, obj and p2p tiers (``vllm/v1/kv_offload/tiering/{fs,obj,p2p}``,
+present in 0.25.1, 0.29.0, 0.33.0 and 0.34.0) keep chunks after the engine exits or serve them to
 other engines, and no ledger there has heard of them. A partly written chunk is therefore
 kept in this engine's CPU tier, where the ledger vouches for it, and never published
 further: after a restart, or on a second engine sharing the directory, bucket or peer
