@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -226,19 +225,16 @@ def _run_once(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | 
         return ExampleOutcome(harness_error=harness.harness_error_of(exc)), None
     except Exception as exc:
         return ExampleOutcome(invalid=f"{type(exc).__name__}: {exc}"[:300]), None
-    model_dir = getattr(engine.scheduler.vllm_config.model_config, "model", None)
     refusal = startup_refusal(engine)
     if refusal is not None:
-        if model_dir and "kvguard-replay-model-" in model_dir:
-            shutil.rmtree(model_dir, ignore_errors=True)
+        harness.close_engine(engine)
         return ExampleOutcome(invalid=refusal), None
     capture = _Capture(engine, guard)
     try:
         with planted(plant if guard else None):
             result = harness.run_replay(trace, guard=guard, policy=policy, engine=engine)
     finally:
-        if model_dir and os.path.isdir(model_dir) and "kvguard-replay-model-" in model_dir:
-            shutil.rmtree(model_dir, ignore_errors=True)
+        harness.close_engine(engine)
     actions = dict(capture.tee.counts) if capture.tee is not None else {}
     return cls.classify(result, capture.frames, actions), result
 
@@ -529,6 +525,8 @@ def fuzz(
         "simple_connector_examples": 0,
         # engine restarts over the secondary tiers the examples' traces asked for (--epochs)
         "engine_restarts": 0,
+        # examples with vLLM's real fs tier among their secondary tiers (files on disk)
+        "fs_tier_examples": 0,
         # guarded: examples where kvguard acted (replayed unguarded too when differential)
         "acted_examples": 0,
     }
@@ -567,6 +565,7 @@ def fuzz(
         totals["async_scheduling_examples"] += int(getattr(trace.geometry, "async_scheduling", False))
         totals["simple_connector_examples"] += int(trace.geometry.connector == "SimpleCPUOffloadConnector")
         totals["engine_restarts"] += len(getattr(trace, "restarts", ()))
+        totals["fs_tier_examples"] += int("fs" in (trace.geometry.secondary_tiers or ()))
         count_layout(layouts, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted

@@ -489,15 +489,21 @@ _TIERING_WHY: tuple[str | None] | None = None
 @st.composite
 def secondary_tiers(draw: st.DrawFn) -> tuple[str, ...] | None:
     """``geometry.secondary_tiers``: ``None`` (CPU tier alone) in about two thirds of the
-    examples, else one or two of vLLM's ``"example"`` tiers (every stored chunk cascades
-    to each; a lookup that misses the CPU tier promotes from the first that holds it).
+    examples, else one or two tiers, each vLLM's in-memory ``"example"`` tier or its real
+    ``"fs"`` tier (files in the replay's temporary directory:
+    :mod:`kvguard.lab.replay.fs_tier`), with equal odds. Every stored chunk cascades to
+    each tier; a lookup that misses the CPU tier promotes from the first that holds it.
     Always ``None`` where :func:`tiering_unsupported` gives a reason (nothing is drawn
     then, so the other fields' draws are those of a release without tiering)."""
     if tiering_unsupported() is not None:
         return None
     if draw(st.integers(0, 2)):
         return None
-    return ("example",) * draw(st.integers(1, 2))
+    return tuple(draw(st.sampled_from(TIER_TYPES)) for _ in range(draw(st.integers(1, 2))))
+
+
+#: the tier types :func:`secondary_tiers` draws (``kvguard.lab.replay.tiering.TIER_TYPES``)
+TIER_TYPES = ("example", "fs")
 
 
 def async_scheduling_unsupported() -> str | None:
@@ -692,8 +698,8 @@ def not_generated(
     else:
         out.append({
             "field": "secondary_tiers[].type",
-            "reason": "only vLLM's in-memory 'example' tier is drawn (fs, p2p, obj and kvcr "
-                      "need a file system, peers or an object store)",
+            "reason": "vLLM's 'example' and 'fs' tiers are drawn; obj, p2p and kvcr need an "
+                      "object store, peer engines or a KV cache registry the lab does not run",
         })
     if not async_scheduling:
         out.append({"field": "async_scheduling", "reason": "--sync-scheduling: vLLM's synchronous Scheduler only"})

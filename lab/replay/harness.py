@@ -62,13 +62,14 @@ from kvguard.lab.fuzz import classes as fuzz_classes
 from kvguard.lab.replay import batch_queue, vllm_api
 from kvguard.lab.replay.jobs import WorkerModel
 from kvguard.lab.replay.stalls import StallWatch
+from kvguard.lab.replay.fs_tier import TierStorage
 from kvguard.lab.replay.tiering import TierTap, carry_contents, tiering_manager, unlink_shared_region
 from kvguard.lab.replay.trace import Geometry, Trace, TraceRequest, segment_tokens
 from kvguard.lab.replay.vllm_api import HarnessError, vllm_version
 from kvguard.lab.replay.simple_worker import SimpleWorker
 from kvguard.lab.replay.worker import SimulatedWorker, WorkerHang
 
-__all__ = ["STALL_STEPS", "MAX_STEPS", "ReplayResult", "Engine", "HarnessError", "build_engine",
+__all__ = ["STALL_STEPS", "MAX_STEPS", "ReplayResult", "Engine", "HarnessError", "build_engine", "close_engine",
            "run_replay", "install_guard", "uninstall_guard", "vllm_version", "harness_error_of"]
 
 #: Steps without any scheduled token, finished request or arrival before a replay stops.
@@ -242,22 +243,50 @@ class Engine:
     tier_tap: TierTap | None = None
     #: steps in flight (EngineCore's batch queue size): 1 synchronous, 2 async scheduling
     batch_queue_depth: int = 1
+    #: where an ``"fs"`` secondary tier keeps its files (shared with the engines a restart
+    #: builds), else ``None``
+    tier_storage: TierStorage | None = None
+    #: this engine created :attr:`tier_storage` (so :meth:`close` removes it)
+    owns_tier_storage: bool = False
+
+    def close(self) -> None:
+        """Shut the secondary tiers down (vLLM's ``shutdown()`` of each: the fs tier joins
+        its I/O threads) and remove the fs tier's directory when this engine created it.
+        Idempotent."""
+        if self.tier_tap is not None:
+            self.tier_tap.close()
+            self.tier_tap = None
+        if self.owns_tier_storage and self.tier_storage is not None:
+            self.tier_storage.close()
+            self.owns_tier_storage = False
 
 
-def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) -> Engine:
+def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None,
+                 tier_storage: TierStorage | None = None) -> Engine:
     """Construct the real ``Scheduler`` + the connector ``geometry.connector`` names
     (scheduler role) for ``geometry`` and the simulated worker
     (:func:`kvguard.lab.replay.vllm_api.build_scheduler` builds vLLM's part; the
     SimpleCPUOffloadConnector's worker is :class:`~kvguard.lab.replay.simple_worker.SimpleWorker`).
 
     ``worker_model`` is the simulated worker's timing and faults (default: every job
-    completes, successfully, in the step it is submitted).
+    completes, successfully, in the step it is submitted). ``tier_storage``: the directory
+    (and record contents) of an ``"fs"`` secondary tier; without one, a geometry with an fs
+    tier gets a new one that the engine owns (:meth:`Engine.close` removes it).
 
     Raises whatever vLLM raises for a geometry it rejects, ``RuntimeError`` for a geometry
     the release cannot express (and :class:`~kvguard.lab.replay.tiering.TieringUnsupported`),
     and :class:`HarnessError` when the lab cannot bind to the installed vLLM.
     """
-    parts = vllm_api.build_scheduler(geometry, connector=geometry.connector)
+    owns = False
+    if tier_storage is None and "fs" in (geometry.secondary_tiers or ()):
+        tier_storage, owns = TierStorage.create(), True
+    try:
+        parts = vllm_api.build_scheduler(geometry, connector=geometry.connector,
+                                         tier_root=tier_storage.root_dir if tier_storage else None)
+    except BaseException:
+        if owns:
+            tier_storage.close()
+        raise
     worker: SimulatedWorker | SimpleWorker
     if geometry.connector == "SimpleCPUOffloadConnector":
         # its worker side is CUDA-only: simulated at the connector's boundary (simple_worker.py)
@@ -283,7 +312,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
                 f"{type(parts.connector_scheduler.manager).__qualname__}, not a TieringOffloadingManager"
             )
         unlink_shared_region(manager)  # no worker joins it here (tiering.py)
-        tap = TierTap(manager, worker.oracle)
+        tap = TierTap(manager, worker.oracle, tier_storage)
     return Engine(
         scheduler=parts.scheduler,
         connector=parts.connector,
@@ -294,7 +323,17 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None) ->
         block_hasher=parts.block_hasher,
         tier_tap=tap,
         batch_queue_depth=parts.batch_queue_depth,
+        tier_storage=tier_storage,
+        owns_tier_storage=owns,
     )
+
+
+def close_engine(engine: Engine) -> None:
+    """End an engine the caller built with :func:`build_engine`: :meth:`Engine.close` (its
+    tiers shut down, its fs directory removed when it owns it) and its model directory
+    removed (:func:`kvguard.lab.replay.vllm_api.remove_model_dir`). Idempotent."""
+    engine.close()
+    vllm_api.remove_model_dir(getattr(engine.scheduler.vllm_config.model_config, "model", None))
 
 
 def restart_engine(old: Engine) -> Engine:
@@ -312,9 +351,11 @@ def restart_engine(old: Engine) -> Engine:
     """
     if old.tier_tap is None:
         raise ValueError("restart_engine needs geometry.secondary_tiers: without a tier nothing outlives the engine")
-    new = build_engine(old.geometry, old.worker.model)
+    new = build_engine(old.geometry, old.worker.model, old.tier_storage)
+    new.owns_tier_storage, old.owns_tier_storage = old.owns_tier_storage, False
     carry_contents(old.tier_tap.manager, new.tier_tap.manager)
     new.worker.oracle.adopt_secondary(old.worker.oracle)
+    old.close()  # vLLM's shutdown of the old engine's tiers (its files stay)
     return new
 
 
@@ -820,6 +861,7 @@ def run_replay(
     t_start = time.perf_counter()
     replay: _Replay | None = None
     recorder = watch = None
+    given_engine = engine
     try:
         if engine is None:
             try:
@@ -875,6 +917,10 @@ def run_replay(
         result.pending_store_keys = vllm_api.pending_store_keys(engine.connector_scheduler)
         if engine.tier_tap is not None:
             result.secondary_tiers = engine.tier_tap.summary()
+            if engine.tier_storage is not None:
+                result.secondary_tiers["files"] = engine.tier_storage.files()
+        if engine is not given_engine:  # built here (or by a restart): its tiers end here
+            engine.close()
     if guard:
         _guard_report(result)
     return result

@@ -404,13 +404,29 @@ class KVOracle:
     def _slot_groups(self) -> range:
         return range(1 if self.shared_pages else len(self.groups))
 
-    def secondary_store(self, tier: int, key: Any, cpu_block: int) -> None:
-        """Secondary tier ``tier`` copies CPU slot ``cpu_block`` (every group) for ``key``."""
-        snap = []
+    def cpu_slot(self, cpu_block: int) -> list[np.ndarray | None]:
+        """Copies of CPU slot ``cpu_block``'s fingerprints, one per slot group (``None``:
+        never written); what a secondary tier that copies the slot's bytes takes away."""
+        out: list[np.ndarray | None] = []
         for g in self._slot_groups():
             arr = self._cpu.get((g, int(cpu_block)))
-            snap.append(None if arr is None else arr.copy())
-        self._secondary[(int(tier), key)] = snap
+            out.append(None if arr is None else arr.copy())
+        return out
+
+    def fill_cpu_slot(self, cpu_block: int, snap: list[np.ndarray | None] | None) -> None:
+        """Write ``snap`` (a :meth:`cpu_slot` result) into CPU slot ``cpu_block``: what a
+        promotion from a secondary tier writes. ``None`` (or a ``None`` group) leaves the
+        slot reading as never written, so a GPU load from it is a wrong-KV finding."""
+        for i, g in enumerate(self._slot_groups()):
+            arr = None if snap is None else snap[i]
+            if arr is None:
+                self._cpu.pop((g, int(cpu_block)), None)
+            else:
+                self._cpu[(g, int(cpu_block))] = arr.copy()
+
+    def secondary_store(self, tier: int, key: Any, cpu_block: int) -> None:
+        """Secondary tier ``tier`` copies CPU slot ``cpu_block`` (every group) for ``key``."""
+        self._secondary[(int(tier), key)] = self.cpu_slot(cpu_block)
         self.secondary_stored_chunks += 1
 
     def adopt_secondary(self, other: "KVOracle") -> int:
@@ -428,12 +444,7 @@ class KVOracle:
         never cascaded to that tier."""
         snap = self._secondary.get((int(tier), key))
         self.secondary_loaded_chunks += 1
-        for i, g in enumerate(self._slot_groups()):
-            arr = None if snap is None else snap[i]
-            if arr is None:
-                self._cpu.pop((g, int(cpu_block)), None)
-            else:
-                self._cpu[(g, int(cpu_block))] = arr.copy()
+        self.fill_cpu_slot(cpu_block, snap)
         return snap is not None
 
     def load(self, job_id: int, cpu_spec: Any, gpu_spec: Any) -> int:

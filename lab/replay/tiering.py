@@ -12,12 +12,19 @@ and hits a secondary tier starts a promotion (``submit_load`` into a CPU slot, l
 answers "retry later"), and the next lookup finds the chunk in the CPU tier and loads it
 to the GPU as any other CPU hit.
 
-The only tier type the harness accepts is ``"example"``: vLLM's
-``ExampleSecondaryTierManager`` (``tiering/example/manager.py``), an in-memory tier that
-vLLM ships "for testing the TieringOffloadingManager". It keeps only the *presence* of a
-key (``chunks[key] = True``) and completes every job at submit; it copies no bytes.
-The other built-in tiers (``fs``, ``p2p``, ``obj``, ``kvcr``) need a file system, peers or
-an object store and are rejected by :func:`validate_tiers`.
+The harness accepts two tier types:
+
+- ``"example"``: vLLM's ``ExampleSecondaryTierManager`` (``tiering/example/manager.py``),
+  an in-memory tier that vLLM ships "for testing the TieringOffloadingManager". It keeps
+  only the *presence* of a key (``chunks[key] = True``) and completes every job at
+  submit; it copies no bytes.
+- ``"fs"``: vLLM's ``FileSystemTierManager``, real files in a temporary directory the
+  replay owns, its completions and lookups made deterministic and the oracle following
+  the bytes on disk (:mod:`kvguard.lab.replay.fs_tier`).
+
+The other built-in tiers need services the lab does not run: ``obj`` an object store
+(S3 API), ``p2p`` peer engines over ZMQ and NIXL, ``kvcr`` (0.33.0 onwards) a KV cache
+registry; :func:`validate_tiers` rejects them, and the docs say so.
 
 The hardware boundary is simulated exactly where the example tier skips it: a real tier
 copies ``primary_kv_view[chunk_id]`` into its store at ``submit_store`` and back into
@@ -38,10 +45,15 @@ measured.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvguard.lab.replay import fs_tier
+from kvguard.lab.replay.fs_tier import job_slots as _slots
+
 if TYPE_CHECKING:
+    from kvguard.lab.replay.fs_tier import FsTierDriver, TierStorage
     from kvguard.lab.replay.kv_oracle import KVOracle
 
 #: The trace geometry field (vLLM's ``kv_connector_extra_config`` key).
@@ -49,7 +61,7 @@ FIELD = "secondary_tiers"
 #: ``OffloadingSpecFactory`` name of vLLM's tiering spec.
 SPEC_NAME = "TieringOffloadingSpec"
 #: Secondary tier types the replay can run (module docstring).
-TIER_TYPES = ("example",)
+TIER_TYPES = ("example", "fs")
 
 
 class TieringUnsupported(RuntimeError):
@@ -107,7 +119,8 @@ def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, .
     Raises:
         ValueError: not a non-empty list of objects, a ``type`` other than
             :data:`TIER_TYPES`, or a key other than ``type`` (the example tier's
-            ``custom_param`` changes nothing the replay sees, so it is not accepted).
+            ``custom_param`` changes nothing the replay sees, so it is not accepted; the
+            fs tier's ``root_dir`` is the replay's own temporary directory).
     """
     if not isinstance(tiers, (list, tuple)) or not tiers:
         raise ValueError(f"{where} must be a non-empty list of tier configs")
@@ -118,7 +131,7 @@ def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, .
         if tier.get("type") not in TIER_TYPES:
             raise ValueError(
                 f"{where}[{i}].type must be one of {TIER_TYPES} (the replay runs vLLM's "
-                f"in-memory example tier only), got {tier.get('type')!r}"
+                f"in-memory example tier and its fs tier), got {tier.get('type')!r}"
             )
         unknown = set(tier) - {"type"}
         if unknown:
@@ -127,11 +140,14 @@ def validate_tiers(tiers: Any, where: str = f"geometry.{FIELD}") -> tuple[str, .
     return tuple(out)
 
 
-def extra_config(tiers: tuple[str, ...] | None) -> dict[str, Any]:
+def extra_config(tiers: tuple[str, ...] | None, root_dir: str | None = None) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` keys for tier types ``tiers`` (empty for ``None``):
-    ``spec_name`` and ``secondary_tiers`` (one ``{"type": ...}`` config per tier).
+    ``spec_name`` and ``secondary_tiers`` (one config per tier: ``{"type": "example"}``, or
+    :func:`kvguard.lab.replay.fs_tier.tier_config` at ``root_dir`` for ``"fs"``; each fs
+    tier of one engine gets its own subdirectory ``tier<i>``).
 
     Raises:
+        ValueError: an ``"fs"`` tier without ``root_dir``.
         TieringUnsupported: ``tiers`` on a release :func:`unsupported_reason` refuses;
             the message names the field, the release and the reason.
     """
@@ -145,15 +161,15 @@ def extra_config(tiers: tuple[str, ...] | None) -> dict[str, Any]:
             f"vLLM {installed_vllm_version() or '(none)'}: a trace cannot set geometry.{FIELD} on this "
             f"release: {why}"
         )
-    return {"spec_name": SPEC_NAME, FIELD: [{"type": t} for t in tiers]}
-
-
-def _slots(job: Any) -> list[int]:
-    """CPU slot ids of a tier job (``chunk_ids`` 0.33, ``block_ids`` 0.25)."""
-    ids = getattr(job, "chunk_ids", None)
-    if ids is None:
-        ids = job.block_ids
-    return [int(x) for x in ids]
+    configs: list[dict[str, Any]] = []
+    for i, t in enumerate(tiers):
+        if t == "fs":
+            if root_dir is None:
+                raise ValueError("an fs secondary tier needs the replay's root_dir")
+            configs.append(fs_tier.tier_config(os.path.join(root_dir, f"tier{i}")))
+        else:
+            configs.append({"type": t})
+    return {"spec_name": SPEC_NAME, FIELD: configs}
 
 
 @dataclass
@@ -162,7 +178,9 @@ class TierTap:
 
     ``manager``: the scheduler-role connector's ``TieringOffloadingManager`` (its
     ``secondary_tiers``). ``oracle``: the worker's KV-content oracle, or ``None`` (then
-    only the counters run). Counts are in offloaded chunks (one per ``OffloadKey``).
+    only the counters run). ``storage``: the replay's fs tier storage (needed when a tier
+    is vLLM's fs tier: :class:`kvguard.lab.replay.fs_tier.FsTierDriver` drives it, the
+    oracle following its bytes). Counts are in offloaded chunks (one per ``OffloadKey``).
 
     The copy is done *before* vLLM's method runs: at ``submit_store`` the CPU slots are
     pinned and complete (``complete_store`` cascades after the GPU->CPU store
@@ -174,22 +192,31 @@ class TierTap:
 
     manager: Any
     oracle: KVOracle | None = None
+    storage: TierStorage | None = None
     #: chunks cascaded CPU -> secondary (``submit_store`` keys), all tiers
     cascaded_chunks: int = 0
     #: chunks promoted secondary -> CPU (``submit_load`` keys), all tiers
     promoted_chunks: int = 0
     #: promoted chunks whose key this tap never saw cascaded (their slot reads as unwritten)
     promoted_unknown: int = 0
+    #: fs tier: chunks whose file was already on disk at ``submit_store`` (vLLM keeps it)
+    kept_chunks: int = 0
     _restore: list[tuple[Any, str]] = field(default_factory=list, repr=False)
+    _drivers: list[FsTierDriver] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         for index, tier in enumerate(getattr(self.manager, "secondary_tiers", None) or ()):
-            self._wrap(index, tier)
+            if fs_tier.persists(tier):
+                if self.storage is None:
+                    raise TieringUnsupported("an fs tier in the replay needs the replay's TierStorage")
+                self._drivers.append(fs_tier.FsTierDriver(tier, self.oracle, self.storage, self))
+            else:
+                self._wrap(index, tier)
 
     @property
     def tiers(self) -> int:
         """Secondary tiers tapped."""
-        return len({id(t) for t, _ in self._restore})
+        return len({id(t) for t, _ in self._restore}) + len(self._drivers)
 
     def _wrap(self, index: int, tier: Any) -> None:
         store, load = tier.submit_store, tier.submit_load
@@ -219,34 +246,52 @@ class TierTap:
         """Drop the wrappers (the tiers' own methods are used again)."""
         for tier, name in self._restore:
             tier.__dict__.pop(name, None)
+        for driver in self._drivers:
+            driver.restore()
+
+    def close(self) -> None:
+        """Shut the tiers down as vLLM does at engine shutdown (``shutdown()`` of each
+        secondary tier: the fs tier joins its I/O threads). The tap is restored first."""
+        self.restore()
+        for tier in getattr(self.manager, "secondary_tiers", None) or ():
+            tier.shutdown()
 
     def summary(self) -> dict[str, int]:
-        """The report's ``secondary_tiers`` object (counts in offloaded chunks)."""
-        return {
+        """The report's ``secondary_tiers`` object (counts in offloaded chunks;
+        ``kept_chunks`` only with an fs tier)."""
+        out = {
             "tiers": self.tiers,
             "cascaded_chunks": self.cascaded_chunks,
             "promoted_chunks": self.promoted_chunks,
             "promoted_unknown": self.promoted_unknown,
         }
+        if self._drivers:
+            out["kept_chunks"] = self.kept_chunks
+        return out
 
 
 def carry_contents(old_manager: Any, new_manager: Any) -> int:
     """Give ``new_manager``'s secondary tiers what ``old_manager``'s tiers hold, tier by tier
     (the lab's engine restart over tiers that outlive the engine: vLLM's fs, obj and p2p
     tiers keep their chunks on disk, in a bucket or at peers; the example tier keeps them in
-    the instance, so a restart carries them over by hand). Returns the chunks carried.
+    the instance, so a restart carries them over by hand; an fs tier of the lab is skipped:
+    its files are in the replay's directory, where the new engine's tier looks). Returns the
+    chunks carried.
 
     Bound by the example tier's declared state, the presence dict its ``lookup`` reads
     (``chunks: dict[OffloadKey, bool]`` in ``ExampleSecondaryTierManager.__init__`` of
     0.33.0 and 0.34.0, ``blocks`` in 0.25.1 and 0.29.0). Raises
     :class:`TieringUnsupported` for a tier without one or a tier count that differs.
     """
+    persists = fs_tier.persists
     old = list(getattr(old_manager, "secondary_tiers", None) or ())
     new = list(getattr(new_manager, "secondary_tiers", None) or ())
     if len(old) != len(new):
         raise TieringUnsupported(f"a restart must keep the tiers: {len(old)} before, {len(new)} after")
     carried = 0
     for before, after in zip(old, new):
+        if persists(before):
+            continue  # its files are on disk: the new engine's tier finds them by itself
         name = next((n for n in PRESENCE_FIELDS if isinstance(vars(before).get(n), dict)), None)
         if name is None or not isinstance(vars(after).get(name), dict):
             raise TieringUnsupported(f"{type(before).__qualname__} keeps no presence dict the lab can carry over")

@@ -54,8 +54,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -188,8 +190,12 @@ def route_vllm_logs_to_stderr() -> None:
 
 
 def write_model_dir(geometry: Geometry) -> str:
-    """A tiny Mistral-style ``config.json`` in a temp dir (no weights, no tokenizer)."""
-    path = tempfile.mkdtemp(prefix="kvguard-replay-model-")
+    """A tiny Mistral-style ``config.json`` (no weights, no tokenizer) in a directory named
+    by the config's content, under ``<TMPDIR>/kvguard-replay-models-<pid>/`` (:data:`MODEL_DIRS`):
+    the same geometry gives the same model path in every engine the process builds, as a
+    restarted vLLM serves the same model path (vLLM's fs tier names its files after it, so
+    a restarted engine of the lab finds the files of the one before). One directory per
+    process, so a fuzz job may remove it (:func:`remove_model_dir`) while another runs."""
     config = {
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
@@ -206,9 +212,28 @@ def write_model_dir(geometry: Geometry) -> str:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
     }
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh)
+    text = json.dumps(config, sort_keys=True)
+    name = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"{MODEL_DIRS}{os.getpid()}", name)
+    target = os.path.join(path, "config.json")
+    if not os.path.exists(target):
+        os.makedirs(path, exist_ok=True)
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text)
     return path
+
+
+#: prefix of the per-process directory :func:`write_model_dir` writes model configs under
+MODEL_DIRS = "kvguard-replay-models-"
+
+
+def remove_model_dir(path: str | None) -> bool:
+    """Remove a model directory :func:`write_model_dir` wrote (anything else is left
+    alone); True when one was removed."""
+    if not path or os.path.basename(os.path.dirname(path)) != f"{MODEL_DIRS}{os.getpid()}":
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
@@ -500,7 +525,8 @@ CONNECTOR_SCHEDULER_ATTRS = {
 }
 
 
-def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector") -> SchedulerParts:
+def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector",
+                    tier_root: str | None = None) -> SchedulerParts:
     """Construct the real ``Scheduler`` + ``connector`` (scheduler role) for ``geometry``.
 
     ``connector``: ``"OffloadingConnector"`` (the default, what the replay drives) or
@@ -514,11 +540,12 @@ def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector") 
     chunk size that is not a multiple of the GPU block size), ``RuntimeError`` for a
     geometry this release cannot express, and
     :class:`~kvguard.lab.replay.tiering.TieringUnsupported` (a ``RuntimeError``) for
-    ``geometry.secondary_tiers`` on a release without vLLM's tiering.
+    ``geometry.secondary_tiers`` on a release without vLLM's tiering. ``tier_root``: the
+    directory an ``"fs"`` secondary tier keeps its files in (``ValueError`` without one).
     """
     from kvguard.lab.replay import batch_queue, tiering
 
-    tier_config = tiering.extra_config(geometry.secondary_tiers)
+    tier_config = tiering.extra_config(geometry.secondary_tiers, tier_root)
     route_vllm_logs_to_stderr()
     from vllm.config import (
         CacheConfig,

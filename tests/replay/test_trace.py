@@ -169,7 +169,8 @@ def test_secondary_tiers_parse_and_round_trip() -> None:
         ([], "non-empty list"),
         ({"type": "example"}, "non-empty list"),
         (["example"], r"secondary_tiers\[0\] must be an object"),
-        ([{"type": "fs"}], "must be one of .'example',."),
+        ([{"type": "obj"}], "must be one of .'example', 'fs'."),
+        ([{"type": "fs", "root_dir": "/x"}], "unknown fields"),
         ([{"type": "example", "custom_param": 3}], "unknown fields .'custom_param'."),
     ],
 )

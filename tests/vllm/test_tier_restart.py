@@ -45,16 +45,23 @@ def _fresh_guard():
     harness.uninstall_guard()
 
 
-def _trace():
+def _trace(tier: str = "example"):
+    """The trace over ``tier``: vLLM's in-memory example tier (carried over the restart by
+    the lab) or its fs tier (real files the restarted engine reads: lab/replay/fs_tier.py).
+    The release fact is the same for both: the wrong block is in the promoted chunk's
+    bytes, wherever they are kept."""
     want = fact(FACT)
     if want is None:  # a release without vLLM's tiering: the trace cannot be expressed
         assert unsupported_reason() is not None
         pytest.skip(f"no vLLM tiering on this release ({unsupported_reason()}; release fact {FACT} is null)")
-    return load_trace(str(TRACE)), want
+    trace = load_trace(str(TRACE))
+    trace = dataclasses.replace(trace, geometry=dataclasses.replace(trace.geometry, secondary_tiers=(tier,)))
+    return trace, want
 
 
-def test_a_restart_over_the_tier_loads_no_partial_chunk_and_keeps_whole_hits() -> None:
-    trace, want = _trace()
+@pytest.mark.parametrize("tier", ["example", "fs"])
+def test_a_restart_over_the_tier_loads_no_partial_chunk_and_keeps_whole_hits(tier: str) -> None:
+    trace, want = _trace(tier)
     assert trace.restarts == ("reader",)
     plain = harness.run_replay(trace, guard=False)
     assert plain.engine_survived and not plain.stalled and plain.restarts == 1
@@ -73,10 +80,11 @@ def test_a_restart_over_the_tier_loads_no_partial_chunk_and_keeps_whole_hits() -
         assert guarded.hits["again"]["external_hit_tokens"] > 0
 
 
-def test_observe_publishes_and_counts() -> None:
+@pytest.mark.parametrize("tier", ["example", "fs"])
+def test_observe_publishes_and_counts(tier: str) -> None:
     """``observe`` changes nothing vLLM does: the partial chunk is cascaded (counted
     ``continued``) and the restarted engine serves the same wrong KV as vLLM alone."""
-    trace, want = _trace()
+    trace, want = _trace(tier)
     if not want:
         pytest.skip(f"vLLM alone publishes no partial chunk with this trace on this release (release fact {FACT})")
     observed = harness.run_replay(trace, guard=True, policy="observe")
