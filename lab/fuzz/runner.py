@@ -527,6 +527,8 @@ def fuzz(
         "engine_restarts": 0,
         # examples with vLLM's real fs tier among their secondary tiers (files on disk)
         "fs_tier_examples": 0,
+        # examples served by two engines sharing the fs tier (request field ``engine``)
+        "shared_tier_examples": 0,
         # guarded: examples where kvguard acted (replayed unguarded too when differential)
         "acted_examples": 0,
     }
@@ -566,6 +568,7 @@ def fuzz(
         totals["simple_connector_examples"] += int(trace.geometry.connector == "SimpleCPUOffloadConnector")
         totals["engine_restarts"] += len(getattr(trace, "restarts", ()))
         totals["fs_tier_examples"] += int("fs" in (trace.geometry.secondary_tiers or ()))
+        totals["shared_tier_examples"] += int(trace.engines > 1)
         count_layout(layouts, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted

@@ -47,6 +47,7 @@ update, every step).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import inspect
@@ -138,7 +139,12 @@ class ReplayResult:
     #: engine restarts the trace made (``restart`` lines), and the KV oracles of the engines
     #: before the last one (``worker`` is the last engine's)
     restarts: int = 0
+    #: the KV oracles of the engines before the last restart and of the engines beside
+    #: engine 0 (a trace whose requests name several ``engine``s sharing an fs tier)
     retired_oracles: list[Any] = field(default_factory=list, repr=False)
+    #: engines that served the trace side by side (1 unless requests name ``engine`` > 0);
+    #: ``worker`` and ``cpu_chunks`` are engine 0's, ``secondary_tiers`` sums every engine's
+    engines: int = 1
     #: per request: local GPU hit and external hit tokens seen by the connector lookup
     hits: dict[str, dict[str, int]] = field(default_factory=dict)
     #: requests whose ``external_hit_tokens`` step was driven directly (see trace.py)
@@ -540,6 +546,11 @@ def _prompt_tokens(treq: TraceRequest, outputs: dict[str, list[int]], vocab_size
     return prompt
 
 
+def _engine_part(trace: Trace, k: int) -> Trace:
+    """The requests of ``trace`` that engine ``k`` serves (request field ``engine``)."""
+    return dataclasses.replace(trace, requests=tuple(r for r in trace.requests if r.engine == k))
+
+
 class _BuildFailed(Exception):
     """Carries an exception of :func:`build_engine` out of :func:`run_replay` unclassified."""
 
@@ -553,7 +564,8 @@ class _Replay:
     """
 
     def __init__(self, trace: Trace, engine: Engine, result: ReplayResult,
-                 recorder: "_HitRecorder", watch: StallWatch) -> None:
+                 recorder: "_HitRecorder", watch: StallWatch,
+                 outputs: dict[str, list[int]] | None = None) -> None:
         self.trace, self.engine, self.result = trace, engine, result
         self.recorder, self.watch = recorder, watch
         self.queue = batch_queue.BatchQueue(engine.batch_queue_depth)
@@ -597,13 +609,16 @@ class _Replay:
         heapq.heapify(self._timed)
 
         self.live: dict[str, Any] = {}
-        self.outputs: dict[str, list[int]] = {}
+        # shared by the engines of one replay (a prompt may reuse another engine's answer)
+        self.outputs: dict[str, list[int]] = outputs if outputs is not None else {}
         self.finished: set[str] = set()
         self.failed_ids: set[str] = set()
         self.aborted_ids: set[str] = set()
         self.aborts = {t.id: t.abort_at_step for t in trace.requests if t.abort_at_step is not None}
         self.idle_steps = 0
         self.drain_steps = 0
+        #: this engine's requests the last :meth:`collect` found will never arrive
+        self.dropped: list[str] = []
 
     def arrive(self, step: int) -> bool:
         """Add every trace request due at ``step`` (its ``waits_for`` finished, or its
@@ -749,6 +764,22 @@ class _Replay:
                 continue
             self.outputs[rid] = list(req.output_token_ids)
             self.finished.add(rid)
+            result.finished += 1
+            self.settle(rid)
+        self.dropped = []
+        for rid in done_now:
+            if rid in self.failed_ids:
+                self.dropped += self.settle(rid, failed=True)
+        return done_now
+
+    def settle(self, rid: str, failed: bool = False) -> list[str]:
+        """Request ``rid`` (of this engine or another sharing the tier) ended: count down the
+        waits of the requests waiting for it. When it ``failed`` (or will never arrive), a
+        request that waits for it never arrives, nor does one that waits for that one
+        (transitively: before, a second-level dependant stayed pending and the replay
+        reported a stall with every arrived request ended; fuzz seed 0 on 0.34.0). Returns
+        the ids of this engine's requests that will never arrive."""
+        if not failed:
             for i in self._dependents.get(rid, ()):
                 left = self._unfinished_waits[i] - 1
                 self._unfinished_waits[i] = left
@@ -757,19 +788,18 @@ class _Replay:
                         self._held[self._phase_of[i]].append((-1, i))
                     else:
                         self._ready.append(i)
-        # a request that waits for a failed one never arrives, nor does one that waits for
-        # it (transitively: before, a second-level dependant stayed pending and the replay
-        # reported a stall with every arrived request ended; fuzz seed 0 on 0.34.0)
-        gone = [rid for rid in done_now if rid in self.failed_ids]
+            return []
+        dropped: list[str] = []
+        gone = [rid]
         while gone:
             for i in self._dependents.get(gone.pop(), ()):
                 if i in self.pending:
                     self.pending.discard(i)
                     self._phase_pending[self._phase_of[i]] -= 1
-                    result.not_arrived += 1
+                    self.result.not_arrived += 1
                     gone.append(self.trace.requests[i].id)
-        result.finished = len(self.finished)
-        return done_now
+                    dropped.append(self.trace.requests[i].id)
+        return dropped
 
     def stalled(self, sched_out: Any, progressed: bool) -> bool:
         """Count a step without progress; True (findings recorded) after :data:`STALL_STEPS`."""
@@ -803,6 +833,49 @@ class _Replay:
                 return
             if progress is not None and step % 8 == 0:
                 progress(self.result.finished, len(self.trace.requests), self.result.steps)
+
+
+def _run_together(replays: list[_Replay], progress: Callable[[int, int, int], None] | None,
+                  before_step: Callable[[], None] | None) -> None:
+    """Step engines that share an fs tier (a trace's request ``engine`` field): in each
+    replay step every engine not done takes one step, in engine order, as :meth:`_Replay.run`
+    does for one. A request that ends on one engine is told to the others (a request may
+    wait for another engine's). An engine with no live request is not stalled by waiting
+    for another engine's request (that engine's own count catches a real stall). Stops at
+    the first engine that stalls. A :class:`WorkerHang` carries the hung replay
+    (``hang.replay``)."""
+    total = sum(len(r.trace.requests) for r in replays)
+    done = [False] * len(replays)
+    for step in range(max(MAX_STEPS, STEPS_PER_REQUEST * total)):
+        for k, r in enumerate(replays):
+            if done[k]:
+                continue
+            progressed = r.arrive(step)
+            progressed = r.abort(step) or progressed
+            if not r.live and not r.pending and r.drained():
+                done[k] = True
+                continue
+            try:
+                sched_out = r.step(step, before_step)
+            except WorkerHang as hang:
+                hang.replay = r
+                raise
+            done_now = r.collect()
+            ended = [(rid, rid in r.failed_ids) for rid in done_now] + [(rid, True) for rid in r.dropped]
+            while ended:  # tell the others, and what that drops there, until nothing more ends
+                rid, failed = ended.pop()
+                for o in replays:
+                    if o is not r:
+                        ended += [(d, True) for d in o.settle(rid, failed)]
+            r.watch.observe(r.result.steps, r.live)
+            if not r.live:
+                r.idle_steps = 0
+            if r.stalled(sched_out, progressed or bool(done_now)):
+                return
+        if all(done):
+            return
+        if progress is not None and step % 8 == 0:
+            progress(replays[0].result.finished, total, replays[0].result.steps)
 
 
 #: CPU seconds spent in full (generation-2) collections while :func:`_on_full_gc` is a
@@ -860,6 +933,7 @@ def run_replay(
         uninstall_guard()
     t_start = time.perf_counter()
     replay: _Replay | None = None
+    replays: list[_Replay] = []
     recorder = watch = None
     given_engine = engine
     try:
@@ -875,19 +949,35 @@ def run_replay(
         result.cpu_chunks = vllm_api.cpu_capacity(engine.connector_scheduler)
         recorder = _HitRecorder(engine.connector_scheduler, result)
         watch = StallWatch(engine.connector_scheduler)
-        replay = _Replay(trace, engine, result, recorder, watch)
+        n = trace.engines
+        replay = _Replay(_engine_part(trace, 0) if n > 1 else trace, engine, result, recorder, watch)
+        replays.append(replay)
+        for k in range(1, n):  # engines sharing engine 0's fs tier directory
+            try:
+                peer = build_engine(trace.geometry, trace.worker, engine.tier_storage)
+            except HarnessError:
+                raise
+            except Exception as exc:
+                raise _BuildFailed() from exc
+            replays.append(_Replay(_engine_part(trace, k), peer, result,
+                                   _HitRecorder(peer.connector_scheduler, result),
+                                   StallWatch(peer.connector_scheduler), outputs=replay.outputs))
         if before_step is not None:
             gc.callbacks.append(_on_full_gc)
         try:
-            replay.run(progress, before_step)
+            if n > 1:
+                _run_together(replays, progress, before_step)
+            else:
+                replay.run(progress, before_step)
         finally:
             if _on_full_gc in gc.callbacks:
                 gc.callbacks.remove(_on_full_gc)
     except WorkerHang as hang:  # vLLM's worker blocks forever: the engine hangs
         result.stalled = True
-        engine, watch = replay.engine, replay.watch  # the engine of the last restart
-        result.stalls = watch.findings(result.steps, replay.live, engine.worker, hang.jobs,
-                                      scheduler=engine.scheduler)
+        hung = getattr(hang, "replay", None) or replay
+        hung_engine, hung_watch = hung.engine, hung.watch  # the engine of the last restart
+        result.stalls = hung_watch.findings(result.steps, hung.live, hung_engine.worker, hang.jobs,
+                                            scheduler=hung_engine.scheduler)
     except _BuildFailed as failed:
         raise failed.__cause__ from None
     except Exception as exc:
@@ -905,18 +995,36 @@ def run_replay(
             watch.restore()
         if recorder is not None:
             recorder.restore()
+        for peer_replay in replays[1:]:
+            peer_replay.watch.restore()
+            peer_replay.recorder.restore()
         result.outputs = replay.outputs if replay is not None else {}
-        result.request_fates = replay.fates() if replay is not None else {}
+        result.request_fates = {}
+        for r in replays or ([replay] if replay is not None else []):
+            result.request_fates.update(r.fates())
         result.wall_s = time.perf_counter() - t_start
         if not guard:
             if previous_disable is None:
                 os.environ.pop("KVGUARD_DISABLE", None)
             else:
                 os.environ["KVGUARD_DISABLE"] = previous_disable
+    peer_tiers: list[dict[str, int]] = []
+    for peer_replay in replays[1:]:  # engines beside engine 0: their oracles count, their tiers end
+        peer = peer_replay.engine
+        if peer.worker.oracle is not None:
+            result.retired_oracles.append(peer.worker.oracle)
+        if peer.tier_tap is not None:
+            peer_tiers.append(peer.tier_tap.summary())
+        result.engines += 1
+        peer.close()
     if engine is not None:
         result.pending_store_keys = vllm_api.pending_store_keys(engine.connector_scheduler)
         if engine.tier_tap is not None:
             result.secondary_tiers = engine.tier_tap.summary()
+            for other in peer_tiers:  # chunks moved by every engine (the tiers are shared)
+                for name, value in other.items():
+                    if name != "tiers":
+                        result.secondary_tiers[name] += value
             if engine.tier_storage is not None:
                 result.secondary_tiers["files"] = engine.tier_storage.files()
         if engine is not given_engine:  # built here (or by a restart): its tiers end here

@@ -205,6 +205,8 @@ def to_json(result: ReplayResult, geometry: Geometry) -> dict[str, Any]:
     }
     if result.restarts:  # a trace with restart lines: the figures above sum every engine's
         out["restarts"] = result.restarts
+    if result.engines > 1:  # engines sharing an fs tier: requests, wrong KV and secondary_tiers
+        out["engines"] = result.engines  # sum every engine's; worker and cpu_chunks are engine 0's
     return out
 
 

@@ -155,6 +155,14 @@ worker, kvguard's per-scheduler state) is built over the same tier contents, and
 requests after the line arrive there. Needs ``geometry.secondary_tiers``. An ``after`` or
 ``output_of`` across a restart is allowed (the client keeps the earlier answer).
 
+Engines sharing a tier (optional request field ``engine``, an int from 0 to 3, default 0):
+the requests of each engine number are served by their own engine (scheduler, GPU prefix
+cache, CPU tier, worker, kvguard's per-scheduler state), every engine stepping once per
+replay step in engine order, all over the same fs tier directory (vLLM's fs tier is the
+tier several servers share through a volume). Needs an ``"fs"`` tier in
+``geometry.secondary_tiers``; not combined with restart lines. ``after`` and
+``output_of`` may name a request of another engine (the client saw its answer).
+
 Prompt tokens are generated at replay time and are never written to a report or log.
 """
 
@@ -232,6 +240,9 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 
 
 #: Geometry fields that are not positive ints (validated on their own).
+#: engines a trace may run side by side over one fs tier (request field ``engine``)
+MAX_ENGINES = 4
+
 _OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling", "connector")
 
 #: The ``kv_connector`` a trace may select (``geometry.connector``): vLLM's two native CPU
@@ -358,6 +369,8 @@ class TraceRequest:
     external_hit_tokens: int | None = None
     abort_at_step: int | None = None
     evict_cpu_after_lookup: bool = False
+    #: the engine that serves it (0 unless the trace runs engines sharing an fs tier)
+    engine: int = 0
 
     @property
     def waits_for(self) -> tuple[str, ...]:
@@ -381,6 +394,8 @@ class TraceRequest:
             out["abort_at_step"] = self.abort_at_step
         if self.evict_cpu_after_lookup:
             out["evict_cpu_after_lookup"] = True
+        if self.engine:
+            out["engine"] = self.engine
         return out
 
 
@@ -401,6 +416,12 @@ class Trace:
     #: requests after it arrive on the new engine (lab/replay/harness.py). An id no longer in
     #: ``requests`` (a shrunk trace) drops its restart.
     restarts: tuple[str, ...] = ()
+
+    @property
+    def engines(self) -> int:
+        """Engines the trace runs side by side over its fs tier (1 + the largest request
+        ``engine``)."""
+        return 1 + max((r.engine for r in self.requests), default=0)
 
     def dumps(self) -> str:
         """Serialize back to JSONL (one header line, one line per request)."""
@@ -506,6 +527,9 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
         evict = obj.get("evict_cpu_after_lookup", False)
         if not isinstance(evict, bool):
             raise TraceError(f"{where}: evict_cpu_after_lookup must be true or false")
+        engine = obj.get("engine", 0)
+        if isinstance(engine, bool) or not isinstance(engine, int) or not 0 <= engine < MAX_ENGINES:
+            raise TraceError(f"{where}: engine must be an int from 0 to {MAX_ENGINES - 1}")
         if abort is not None:
             aborting.add(rid)
         if restart_where is not None:
@@ -522,6 +546,7 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
                 external_hit_tokens=hit,
                 abort_at_step=abort,
                 evict_cpu_after_lookup=evict,
+                engine=engine,
             )
         )
     if header is None:
@@ -564,6 +589,12 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
     if restarts and not geometry.secondary_tiers:
         raise TraceError(f"{source}: a restart needs geometry.secondary_tiers (without a tier "
                          "nothing outlives the engine)")
+    if any(r.engine for r in requests):
+        if "fs" not in (geometry.secondary_tiers or ()):
+            raise TraceError(f"{source}: requests on engine > 0 need an fs tier in geometry.secondary_tiers "
+                             "(engines share a tier through its files)")
+        if restarts:
+            raise TraceError(f"{source}: restart lines and several engines are not expressed together")
     return Trace(
         name=str(header.get("name") or Path(source).stem),
         geometry=geometry,

@@ -276,3 +276,27 @@ def test_a_restart_line_parses_to_the_next_request_and_round_trips() -> None:
 def test_a_restart_line_is_checked(lines, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         parse_trace(_lines(*lines))
+
+
+def test_engines_sharing_an_fs_tier_parse_and_round_trip() -> None:
+    trace = parse_trace(_lines(_tiered([{"type": "fs"}]), _req("a"), _req("b", engine=1, after="a"), _req("c")))
+    assert trace.engines == 2 and [r.engine for r in trace.requests] == [0, 1, 0]
+    again = parse_trace(trace.dumps().splitlines())
+    assert [r.engine for r in again.requests] == [0, 1, 0] and '"engine"' in trace.dumps()
+    assert parse_trace(_lines(_tiered([{"type": "fs"}]), _req("a"))).engines == 1
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([_tiered([{"type": "example"}]), _req("a"), _req("b", engine=1)], "need an fs tier"),
+        ([HEADER, _req("a", engine=1)], "need an fs tier"),
+        ([_tiered([{"type": "fs"}]), _req("a"), {"kind": "restart"}, _req("b", engine=1)], "not expressed together"),
+        ([_tiered([{"type": "fs"}]), _req("a", engine=-1)], "engine must be an int"),
+        ([_tiered([{"type": "fs"}]), _req("a", engine=True)], "engine must be an int"),
+        ([_tiered([{"type": "fs"}]), _req("a", engine=4)], "engine must be an int from 0 to 3"),
+    ],
+)
+def test_a_request_engine_is_checked(lines, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        parse_trace(_lines(*lines))

@@ -59,6 +59,10 @@ FACTS: dict[str, str] = {
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/tier-restart-swa-partial.jsonl`: "
         "wrong_kv_blocks (null where the release has no vLLM tiering)"
     ),
+    "tier_shared_swa_partial_wrong_kv_blocks": (
+        "`kvguard replay --no-guard --json --trace tests/vllm/traces/tier-shared-swa-partial.jsonl`: "
+        "wrong_kv_blocks, both engines (null where the release has no vLLM tiering)"
+    ),
     "stale_zeroing_026_wrong_kv_blocks": (
         "`kvguard replay --no-guard --json --trace tests/vllm/traces/wrong-kv-stale-zeroing-026.jsonl`: "
         "wrong_kv_blocks (null where the trace's geometry cannot be expressed)"

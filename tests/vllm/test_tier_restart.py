@@ -129,3 +129,33 @@ def test_a_remote_lookup_of_a_partial_chunk_answers_miss() -> None:
         parent.on_request_finished(ctx)
         harness.uninstall_guard()
     assert answers == {True: ("MISS", "HIT"), False: ("HIT", "HIT")}
+
+
+SHARED = Path(__file__).parent / "traces" / "tier-shared-swa-partial.jsonl"
+SHARED_FACT = "tier_shared_swa_partial_wrong_kv_blocks"
+
+
+def test_a_second_engine_on_the_same_fs_tier_loads_no_partial_chunk() -> None:
+    """Two engines over one fs tier directory, side by side (two servers mounting one
+    volume): engine 0 writes the partial chunk's file, engine 1 (its own empty GPU cache and
+    CPU tier, and a ledger that never heard of the chunk) promotes it. vLLM alone serves the
+    uncopied slot where the release stores the chunk partly (release fact); guarded, engine
+    0 never publishes it, and engine 1's re-read of the whole chunks hits as vLLM alone's."""
+    want = fact(SHARED_FACT)
+    if want is None:
+        assert unsupported_reason() is not None
+        pytest.skip(f"no vLLM tiering on this release (release fact {SHARED_FACT} is null)")
+    trace = load_trace(str(SHARED))
+    assert trace.engines == 2 and [r.engine for r in trace.requests] == [0, 0, 0, 1, 1]
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled and plain.engines == 2
+    assert plain.finished == plain.submitted == len(trace.requests)
+    assert plain.wrong_kv_blocks == want, [o.wrong_kv for o in plain.oracles()]
+    if want:
+        assert plain.wrong_kv_requests == {"reader"}  # engine 1's request, engine 0's file
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok and guarded.engines == 2 and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == guarded.submitted == len(trace.requests) and not guarded.failed_requests
+    assert (guarded.checks[names.CHECK_TIER_PUBLISH]["violations"] >= 1) == bool(want)
+    assert guarded.hits["again"] == plain.hits["again"]
+    assert guarded.hits["again"]["external_hit_tokens"] > 0  # engine 0's whole chunks, from disk
