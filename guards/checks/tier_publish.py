@@ -30,7 +30,9 @@ Two paths take a chunk out of the CPU tier (read in ``tiering/manager.py`` of 0.
    instance attribute) so a call that names ``exclude_tier_idx`` gets ``MISS`` for a partly
    written key; the engine's own lookups (no ``exclude_tier_idx``) are untouched. Bound by
    signature: a release whose ``lookup`` takes no ``exclude_tier_idx`` (0.25.1) has no
-   remote requester.
+   remote requester. Every such lookup is counted; the ``check_failed`` event is logged
+   once per key (the last :data:`REPORTED_KEYS` keys remembered), since a peer may poll
+   the same key every step.
 
 Policy: ``guard`` and ``strict`` withhold (action ``chunk_withheld``; ``strict`` does not
 raise: vLLM has no assert here and the engine itself serves correct KV, the ledger
@@ -47,6 +49,7 @@ when enabling the guard.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 from typing import Any
@@ -120,8 +123,31 @@ def _without(job: Any, keep: list[bool]) -> Any:
     raise TypeError(f"{type(job).__qualname__} is neither a dataclass nor a named tuple")
 
 
-def _count(kind: str, withheld: int, tier: int | None, policy: str, action: str) -> None:
+#: remote-lookup keys whose ``check_failed`` event was logged, per manager (oldest forgotten
+#: past :data:`REPORTED_KEYS`): a peer that polls a partial key every step is counted on
+#: every lookup but logged once per key (a burst is one event, not one line per poll)
+REPORTED_ATTR = "_kvguard_tier_publish_reported"
+REPORTED_KEYS = 1024
+
+
+def _first_report(manager: Any, key: Any) -> bool:
+    """True the first time ``key``'s remote lookup is reported on ``manager`` (bounded)."""
+    seen = manager.__dict__.get(REPORTED_ATTR)
+    if seen is None:
+        seen = manager.__dict__[REPORTED_ATTR] = collections.OrderedDict()
+    if key in seen:
+        seen.move_to_end(key)
+        return False
+    seen[key] = None
+    if len(seen) > REPORTED_KEYS:
+        seen.popitem(last=False)
+    return True
+
+
+def _count(kind: str, withheld: int, tier: int | None, policy: str, action: str, log: bool = True) -> None:
     counts.count_violation(SITE_ID, names.CHECK_TIER_PUBLISH, action)
+    if not log:
+        return
     counts.events.check_failed(
         site=SITE_ID,
         check=names.CHECK_TIER_PUBLISH,
@@ -175,10 +201,11 @@ def _wrap_lookup(manager: Any, ledger: copy_ledger.CopyLedger) -> bool:
             miss = getattr(type(result), "MISS", None)
             if miss is not None and result is not miss and partial_keys_of(ledger, [key])[0]:
                 policy = runtime.policy()
+                log = _first_report(manager, key)
                 if policy == names.POLICY_OBSERVE:
-                    _count("remote", 1, None, policy, names.ACTION_CONTINUED)
+                    _count("remote", 1, None, policy, names.ACTION_CONTINUED, log)
                 else:
-                    _count("remote", 1, None, policy, names.ACTION_CHUNK_WITHHELD)
+                    _count("remote", 1, None, policy, names.ACTION_CHUNK_WITHHELD, log)
                     return miss
         except Exception as error:
             counts.guard_error(names.STAGE_CHECK, error)

@@ -4,6 +4,7 @@ tests/vllm/test_tier_restart.py)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -71,3 +72,42 @@ def test_the_ledger_forgets_with_tiers_only_while_partial_chunks_are_withheld(po
         assert tier_publish.ledger_may_forget(_Tiered() if tiers else object()) is forget
     finally:
         runtime.configure(policy=previous["policy"])
+
+
+class _Result(enum.Enum):  # the shape of vLLM's LookupResult (an enum with HIT and MISS)
+    HIT = 1
+    MISS = 2
+
+
+class _Manager:
+    """A manager whose ``lookup`` has the remote signature (0.29.0 onwards) and answers HIT."""
+
+    secondary_tiers = [object()]
+
+    def lookup(self, key, req_context, exclude_tier_idx=None):
+        return _Result.HIT
+
+
+def test_a_peer_polling_a_partial_key_is_counted_every_time_and_logged_once_per_key() -> None:
+    from kvguard.guards.telemetry import counts, events
+
+    manager, ledger = _Manager(), _ledger()
+    assert tier_publish._wrap_lookup(manager, ledger)
+    previous = counts.set_sinks(events_sink=events)  # the real events module, as configure() sets
+    before = counts.snapshot()[names.CHECK_TIER_PUBLISH]["violations"]
+    try:
+        with events.capture() as logged:
+            answers = [manager.lookup(b"k1", None, exclude_tier_idx=0) for _ in range(5)]
+            answers.append(manager.lookup(b"k0", None, exclude_tier_idx=0))  # a whole key
+            answers.append(manager.lookup(b"k1", None))  # the engine's own lookup: untouched
+    finally:
+        counts.set_sinks(*previous)
+    assert answers == [_Result.MISS] * 5 + [_Result.HIT, _Result.HIT]
+    failed = [e for e in logged if e.get("event") == names.EVENT_CHECK_FAILED]
+    assert len(failed) == 1 and failed[0]["context"]["path"] == "remote"
+    seen = manager.__dict__[tier_publish.REPORTED_ATTR]
+    assert list(seen) == [b"k1"]
+    for i in range(tier_publish.REPORTED_KEYS + 1):  # bounded: the oldest key is forgotten
+        tier_publish._first_report(manager, i)
+    assert len(seen) == tier_publish.REPORTED_KEYS and b"k1" not in seen
+    assert counts.snapshot()[names.CHECK_TIER_PUBLISH]["violations"] - before == 5  # every poll counted
