@@ -148,17 +148,10 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
             exc = runtime.RequestFailed(msg) if msg is not _NO_MSG else runtime.RequestFailed()
     if action == names.ACTION_STORE_DROPPED:
         exc = runtime.StoreDropped(msg) if msg is not _NO_MSG else runtime.StoreDropped()
-    counts.count_violation(site.site_id, site.check, action)
-    counts.events.check_failed(
-        site=site.site_id,
-        check=site.check,
-        policy=runtime.policy(),
-        action=action,
-        vllm_version=runtime.vllm_version(),
-        request_id=_request_id(context),
-        blocks_per_chunk=_blocks_per_chunk(context),
-        context=context,
-        message=None if msg is _NO_MSG else msg,
+    runtime.report_violation(
+        site.site_id, site.check, action,
+        request_id=_request_id(context), blocks_per_chunk=_blocks_per_chunk(context),
+        context=context, message=None if msg is _NO_MSG else msg,
     )
     return exc
 
@@ -302,11 +295,7 @@ def _check_window(site: _SiteRT, ok: bool, context: dict[str, Any], msg: Any) ->
             # e.g. a scheduler constructed before install (no recorded KV cache spec):
             # the guard is blind here, say so
             counts.guard_error(names.STAGE_CONTEXT, LookupError("no KV cache spec for this group"))
-        counts.count_violation(site.site_id, check_name, names.ACTION_RAISED)
-        counts.events.check_failed(
-            site=site.site_id, check=check_name, policy=policy, action=names.ACTION_RAISED,
-            vllm_version=runtime.vllm_version(), context=context, message=None,
-        )
+        runtime.report_violation(site.site_id, check_name, names.ACTION_RAISED, policy=policy, context=context)
         return _exc(msg)
 
     kind, sw, tpb, bpc, extra = geometry

@@ -145,15 +145,11 @@ def _first_report(manager: Any, key: Any) -> bool:
 
 
 def _count(kind: str, withheld: int, tier: int | None, policy: str, action: str, log: bool = True) -> None:
-    counts.count_violation(SITE_ID, names.CHECK_TIER_PUBLISH, action)
     if not log:
+        counts.count_violation(SITE_ID, names.CHECK_TIER_PUBLISH, action)
         return
-    counts.events.check_failed(
-        site=SITE_ID,
-        check=names.CHECK_TIER_PUBLISH,
-        policy=policy,
-        action=action,
-        vllm_version=runtime.vllm_version(),
+    runtime.report_violation(
+        SITE_ID, names.CHECK_TIER_PUBLISH, action, policy=policy,
         context={"path": kind, "tier": tier, "partial_chunks": withheld},
         message=f"{withheld} partly written chunk(s) "
         + ("withheld from " if action == names.ACTION_CHUNK_WITHHELD else "published to ")

@@ -55,6 +55,7 @@ __all__ = [
     "unconfigure",
     "policy",
     "vllm_version",
+    "report_violation",
     "suppressed",
     "snapshot",
     "reset",
@@ -136,6 +137,21 @@ def policy() -> str:
 def vllm_version() -> str:
     """The vLLM release the events name (set by :func:`configure`; ``unknown`` before)."""
     return _vllm_version
+
+
+def report_violation(site: str, check: str, action: str, *, policy: str | None = None,
+                     context: dict[str, Any] | None = None, message: str | None = None,
+                     **fields: Any) -> None:
+    """One violation of ``check`` at ``site`` handled with ``action``: counted
+    (``kvguard_invariant_violations_total{check,action}``; a ``raised`` one becomes the
+    fatal record's site) and the ``check_failed`` event with the policy (``policy`` or the
+    one in force), the vLLM release, ``context``, ``message`` and any other ``fields``
+    (``request_id``, ``blocks_per_chunk``). The one shape every check site reports in."""
+    counts.count_violation(site, check, action)
+    counts.events.check_failed(
+        site=site, check=check, policy=_policy if policy is None else policy, action=action,
+        vllm_version=_vllm_version, **fields, context={} if context is None else context, message=message,
+    )
 
 
 @contextlib.contextmanager

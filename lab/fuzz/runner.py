@@ -95,6 +95,20 @@ class _ActionTee:
         if self.inner is not None:
             self.inner.violation(check, action)
 
+    def check_skipped(self, check: str, reason: str) -> None:
+        """A skip is not an action, except a full copy ledger under ``guard``/``strict``:
+        the store was refused (docs/policies.md: "counted as a ``ledger_full`` skip, not a
+        violation"), so it counts as ``copy_coverage:store_dropped`` and the differential
+        replays the example without the guard like any other refusal."""
+        from kvguard.guards import names
+        from kvguard.guards.policy import runtime
+
+        if reason == names.SKIP_LEDGER_FULL and runtime.policy() != names.POLICY_OBSERVE:
+            key = f"{check}:{names.ACTION_STORE_DROPPED}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        if self.inner is not None:
+            self.inner.check_skipped(check, reason)
+
     def __getattr__(self, name: str) -> Any:
         if self.inner is None:
             return lambda *args, **kwargs: None

@@ -413,3 +413,24 @@ def test_a_long_life_of_2500_epochs_is_generated(trace):
     integer, so the Hypothesis choice sequence does not overflow (a ``randoms()`` draw did)."""
     assert len(trace.requests) >= 2500
     assert trace.requests[-1].id.startswith("e2499/")
+
+
+def test_a_refusal_for_a_full_copy_ledger_is_an_action_the_differential_replays() -> None:
+    """A ``ledger_full`` skip under guard/strict refused a store: the fuzz counts it as
+    ``copy_coverage:store_dropped`` (so the example is compared with vLLM alone); under
+    observe the store went ahead, and other skips are not actions."""
+    from kvguard.guards import names
+    from kvguard.guards.policy import runtime
+    from kvguard.lab.fuzz.differential import acted
+    from kvguard.lab.fuzz.runner import _ActionTee
+
+    for policy, want in ((names.POLICY_GUARD, 1), (names.POLICY_STRICT, 1), (names.POLICY_OBSERVE, 0)):
+        previous = runtime.configure(policy=policy)
+        try:
+            tee = _ActionTee(None)
+            tee.check_skipped(names.CHECK_COPY_COVERAGE, names.SKIP_LEDGER_FULL)
+            tee.check_skipped(names.CHECK_COPY_COVERAGE, names.SKIP_STORE_PATH)
+        finally:
+            runtime.configure(policy=previous["policy"])
+        assert tee.counts.get(f"{names.CHECK_COPY_COVERAGE}:{names.ACTION_STORE_DROPPED}", 0) == want
+        assert acted(tee.counts) is bool(want) and len(tee.counts) == want
