@@ -93,7 +93,6 @@ __all__ = [
     "CopyLedger",
     "destination_chunks",
     "group_store_writes",
-    "record_group_store",
     "chunk_masks",
     "first_uncopied_block",
 ]
@@ -278,22 +277,6 @@ def group_store_writes(ledger: CopyLedger, group: int, table: Sequence[int], cop
     chunks = destination_chunks(offload_keys, keys_to_store, first_chunk, count)
     keys = [offload_keys[c] for c in chunks]
     return keys, chunk_masks(table, copied, first_index, bpc, chunks)
-
-
-def record_group_store(ledger: CopyLedger, group: int, table: Sequence[int], copied: Sequence[int],
-                       first_index: int, blocks_per_chunk: int, offload_keys: Sequence[Any],
-                       keys_to_store: Collection[Any]) -> bool:
-    """Record one group's part of a store (:func:`group_store_writes`) when the ledger has
-    room for it; False (nothing recorded) when it has not."""
-    writes = group_store_writes(ledger, group, table, copied, first_index, blocks_per_chunk,
-                                offload_keys, keys_to_store)
-    if writes is None:
-        return True
-    full = (1 << blocks_per_chunk) - 1
-    if not ledger.room_for([(group, *writes)], [full]):
-        return False
-    ledger.record(group, writes[0], writes[1], full)
-    return True
 
 
 def ok_for(ledger: CopyLedger, fast: Sequence[tuple[int, int, int, int | None]], group_states: Sequence[Any],

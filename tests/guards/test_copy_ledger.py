@@ -17,6 +17,22 @@ from kvguard.guards.checks import copy_ledger
 from kvguard.guards.checks.copy_ledger import CopyLedger, chunk_masks, destination_chunks, first_uncopied_block
 
 
+def _record_group_store(ledger, group, table, copied, first_index, blocks_per_chunk, offload_keys,
+                        keys_to_store) -> bool:
+    """One group's part of a store, as ``asserts._record_copies`` records every group's:
+    :func:`copy_ledger.group_store_writes`, then ``room_for``, then ``record``; False
+    (nothing recorded) when the ledger has no room."""
+    writes = copy_ledger.group_store_writes(ledger, group, table, copied, first_index, blocks_per_chunk,
+                                            offload_keys, keys_to_store)
+    if writes is None:
+        return True
+    full = (1 << blocks_per_chunk) - 1
+    if not ledger.room_for([(group, *writes)], [full]):
+        return False
+    ledger.record(group, writes[0], writes[1], full)
+    return True
+
+
 def _slots_written(table, copied, first, bpc, chunks):
     """{(logical chunk, sub-block): id written}, the copy engine's placement."""
     skip = first % bpc
@@ -123,8 +139,8 @@ def test_the_ledger_keeps_partial_chunks_only_and_refuses_past_its_bound() -> No
     ledger.record(1, ["c", "d", "e"], [1, 2, 3], 0b1111)
     assert ledger.room_for([(1, ["c"], [5])], [0b1111])  # re-recording a held key takes no room
     assert not ledger.room_for([(0, ["c"], [5])], [0b1111])  # the same key in another group does
-    # record_group_store asks first: a full ledger records nothing and says so
-    assert not copy_ledger.record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
+    # _record_group_store asks first: a full ledger records nothing and says so
+    assert not _record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
     assert ledger.groups[0] == {} and ledger.size == 3
 
 
@@ -150,9 +166,9 @@ def test_the_fast_path_records_what_the_slow_path_would() -> None:
     keys = ["k0", "k1"]
     ledger = CopyLedger(1)
     ledger.record(0, ["k1"], [0b0001], 0b1111)  # an old partial copy of k1
-    copy_ledger.record_group_store(ledger, 0, table, table[:], 0, 4, keys, {"k0", "k1"})
+    _record_group_store(ledger, 0, table, table[:], 0, 4, keys, {"k0", "k1"})
     assert ledger.groups[0] == {} and ledger.size == 0
-    copy_ledger.record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
+    _record_group_store(ledger, 0, [0, 0, 7, 8], [0, 0, 7, 8], 0, 4, ["k0"], {"k0"})
     assert ledger.groups[0] == {"k0": 0b1100}
 
 
@@ -171,7 +187,7 @@ def test_record_group_store_records_the_copy_engines_masks(store, data) -> None:
     for target in (ledger, expected):
         if old:
             target.record(0, list(old), list(old.values()), (1 << bpc) - 1)
-    copy_ledger.record_group_store(ledger, 0, table, copied, first, bpc, keys, stored)
+    _record_group_store(ledger, 0, table, copied, first, bpc, keys, stored)
     count = -(-(first % bpc + len(copied)) // bpc)
     chunks = destination_chunks(keys, stored, first // bpc, count)
     expected.record(0, [keys[c] for c in chunks], chunk_masks(table, copied, first, bpc, chunks), (1 << bpc) - 1)
