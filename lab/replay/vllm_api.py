@@ -51,6 +51,7 @@ one; only vLLM's code or kvguard's guard code failing is a death or a kvguard bu
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import inspect
@@ -214,9 +215,12 @@ def write_model_dir(geometry: Geometry) -> str:
     }
     text = json.dumps(config, sort_keys=True)
     name = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"{MODEL_DIRS}{os.getpid()}", name)
+    root = os.path.join(tempfile.gettempdir(), f"{MODEL_DIRS}{os.getpid()}")
+    path = os.path.join(root, name)
     target = os.path.join(path, "config.json")
     if not os.path.exists(target):
+        if not os.path.isdir(root):  # the process's directory goes when the process exits
+            atexit.register(shutil.rmtree, root, True)
         os.makedirs(path, exist_ok=True)
         with open(target, "w", encoding="utf-8") as fh:
             fh.write(text)
