@@ -22,8 +22,11 @@ Two paths take a chunk out of the CPU tier (read in ``tiering/manager.py`` of 0.
    (an instance attribute; vLLM's method runs unchanged) to hand the tier a copy of the
    job without the partly written keys and their CPU slots. The job id is kept, so the
    manager's own record of the job, which unpins every chunk it pinned when the tier
-   reports the job finished, is untouched; a job left with no key still goes to the tier,
-   which finishes it like any other.
+   reports the job finished, is untouched; a job left with no key never reaches the tier:
+   kvguard reports it finished (``success``) on the tier's next ``get_finished_jobs``
+   poll, which is all the manager does with a finished store job (``complete_read``, the
+   unpin; read on 0.25.1 and 0.34.0), since not every tier finishes a job of no key
+   (0.25.1's and 0.26.0's fs tier never does: :func:`_wrap_tier`).
 2. **remote requesters** (the p2p tier's server, 0.34.0's kvcr tier): they ask the manager
    through its tier-facing parent, ``lookup(key, req_context, exclude_tier_idx=origin)``,
    and pin only what answers ``HIT``. :func:`install` wraps the manager's ``lookup`` (an
@@ -52,6 +55,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import sys
 from typing import Any
 
 from kvguard.guards import names
@@ -157,8 +161,39 @@ def _count(kind: str, withheld: int, tier: int | None, policy: str, action: str,
     )
 
 
+def job_result(tier: Any, job_id: Any) -> Any | None:
+    """A successful ``JobResult`` for store job ``job_id`` that moved no byte
+    (``transfer_bytes=0`` where the class declares it), of the class the tier's own module
+    reports with (``vllm.v1.kv_offload.tiering.base.JobResult``, a dataclass whose declared
+    fields include ``job_id`` and ``success``; the others have defaults on 0.25.1 to
+    0.34.0); ``None`` when the tier's module has no such class."""
+    module = sys.modules.get(type(tier).__module__)
+    cls = getattr(module, "JobResult", None)
+    if cls is None:
+        base = sys.modules.get("vllm.v1.kv_offload.tiering.base")
+        cls = getattr(base, "JobResult", None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    declared = {f.name for f in dataclasses.fields(cls)}
+    if not {"job_id", "success"} <= declared:
+        return None
+    # nothing was transferred: a back-pressure detector that reads the bytes (0.33.0 on)
+    # must not take the finished job for a fast store of every key
+    extra = {"transfer_bytes": 0} if "transfer_bytes" in declared else {}
+    return cls(job_id=job_id, success=True, **extra)
+
+
 def _wrap_tier(index: int, tier: Any, ledger: copy_ledger.CopyLedger) -> None:
+    """Wrap ``tier``'s ``submit_store`` (withhold the partial keys) and, for a job left with
+    no key, its ``get_finished_jobs``: such a job never reaches the tier, and kvguard
+    reports it finished on the tier's next poll, so the manager unpins its chunks as after
+    any store (``complete_read``). Found by the lab's fs tier: vLLM 0.25.1's and 0.26.0's
+    ``FileSystemTierManager.submit_store`` enqueues one task per key
+    (``enqueue_store(job_id, len(keys), tasks)``), so a job of no key never finishes there:
+    its chunks stayed pinned in the CPU tier and ``drain_jobs()`` waited forever."""
     submit = tier.submit_store
+    finished = tier.get_finished_jobs
+    done_here: list[Any] = []
 
     def submit_store(job: Any) -> Any:
         try:
@@ -170,13 +205,30 @@ def _wrap_tier(index: int, tier: Any, ledger: copy_ledger.CopyLedger) -> None:
                 if policy == names.POLICY_OBSERVE:
                     _count("cascade", n, index, policy, names.ACTION_CONTINUED)
                 else:
-                    job = _without(job, [not p for p in partial])
                     _count("cascade", n, index, policy, names.ACTION_CHUNK_WITHHELD)
+                    if n == len(keys) and job_result(tier, job.job_id) is not None:
+                        done_here.append(job.job_id)  # nothing to publish: finished here
+                        return None
+                    job = _without(job, [not p for p in partial])
         except Exception as error:  # guard code must never take the engine down
             counts.guard_error(names.STAGE_CHECK, error)
         return submit(job)
 
+    def get_finished_jobs(*args: Any, **kwargs: Any) -> Any:
+        out = finished(*args, **kwargs)
+        if not done_here:
+            return out
+        try:
+            results = list(out)
+            while done_here:
+                results.append(job_result(tier, done_here.pop(0)))
+            return results
+        except Exception as error:
+            counts.guard_error(names.STAGE_CHECK, error)
+            return out
+
     tier.submit_store = submit_store
+    tier.get_finished_jobs = get_finished_jobs
 
 
 def _wrap_lookup(manager: Any, ledger: copy_ledger.CopyLedger) -> bool:

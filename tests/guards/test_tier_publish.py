@@ -111,3 +111,50 @@ def test_a_peer_polling_a_partial_key_is_counted_every_time_and_logged_once_per_
         tier_publish._first_report(manager, i)
     assert len(seen) == tier_publish.REPORTED_KEYS and b"k1" not in seen
     assert counts.snapshot()[names.CHECK_TIER_PUBLISH]["violations"] - before == 5  # every poll counted
+
+
+@dataclass
+class JobResult:  # the declared fields of vLLM's tiering JobResult that kvguard fills
+    job_id: int
+    success: bool
+    transfer_bytes: int | None = None
+
+
+class _Tier:
+    """A secondary tier that finishes nothing by itself (as 0.25.1's fs tier never
+    finishes a job of no key); its module declares ``JobResult`` as vLLM's tiers' do."""
+
+    def __init__(self) -> None:
+        self.submitted: list = []
+
+    def submit_store(self, job):
+        self.submitted.append(job)
+
+    def get_finished_jobs(self):
+        return []
+
+
+def test_a_job_left_with_no_key_never_reaches_the_tier_and_finishes_on_its_next_poll() -> None:
+    tier, ledger = _Tier(), _ledger()
+    tier_publish._wrap_tier(0, tier, ledger)
+    previous = runtime.configure(policy=names.POLICY_GUARD)
+    try:
+        tier.submit_store(_Job(7, [b"k1"], np.array([3])))  # only the partial chunk
+        tier.submit_store(_Job(8, [b"k0", b"k1"], np.array([4, 5])))  # one whole chunk left
+        first, second = tier.get_finished_jobs(), tier.get_finished_jobs()
+    finally:
+        runtime.configure(policy=previous["policy"])
+    assert [j.job_id for j in tier.submitted] == [8] and tier.submitted[0].keys == [b"k0"]
+    assert first == [JobResult(job_id=7, success=True, transfer_bytes=0)] and second == []
+    assert tier_publish.job_result(object(), 1) is None  # no JobResult class: no synthesis
+
+
+def test_observe_hands_the_tier_every_job() -> None:
+    tier, ledger = _Tier(), _ledger()
+    tier_publish._wrap_tier(0, tier, ledger)
+    previous = runtime.configure(policy=names.POLICY_OBSERVE)
+    try:
+        tier.submit_store(_Job(7, [b"k1"], np.array([3])))
+    finally:
+        runtime.configure(policy=previous["policy"])
+    assert [j.keys for j in tier.submitted] == [[b"k1"]] and tier.get_finished_jobs() == []

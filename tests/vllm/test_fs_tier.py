@@ -149,3 +149,44 @@ def test_an_fs_tier_needs_a_directory() -> None:
     assert cfg["secondary_tiers"][0] == {"type": "example"}
     assert cfg["secondary_tiers"][1]["root_dir"] == os.path.join("/r", "tier1")
     assert cfg["secondary_tiers"][1]["n_read_threads"] == fs_tier.IO_THREADS
+
+
+@needs_tiering
+def test_a_job_the_guard_empties_finishes_without_reaching_vllms_fs_tier() -> None:
+    """vLLM's own fs tier (0.25.1's and 0.26.0's enqueue one task per key, so a job of no
+    key never finishes there): ``tier_publish`` keeps a job whose every key is partial
+    from the tier and reports it finished on the tier's next poll, with the result class
+    of the release; the tier writes no file and its ``drain_jobs()`` returns."""
+    import dataclasses as dc
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering import base
+
+    from kvguard.guards import names
+    from kvguard.guards.checks import copy_ledger, tier_publish
+    from kvguard.guards.policy import runtime
+
+    trace = _trace("fs", restart=False)
+    engine = harness.build_engine(trace.geometry, trace.worker)
+    previous = runtime.configure(policy=names.POLICY_GUARD)
+    try:
+        tier = engine.tier_tap.manager.secondary_tiers[0]
+        key = b"\x01" * 32
+        ledger = copy_ledger.CopyLedger(1)
+        ledger.record(0, [key], [0b10], 0b11)  # written partly
+        tier_publish._wrap_tier(0, tier, ledger)
+        job_cls = getattr(base, "TransferJob", None) or base.JobMetadata
+        slots = "chunk_ids" if "chunk_ids" in {f.name for f in dc.fields(job_cls)} else "block_ids"
+        job = job_cls(job_id=41, keys=[key], is_promotion=False, req_context=ReqContext(req_id="r"),
+                      **{slots: [0]})
+        tier.submit_store(job)
+        assert engine.tier_storage.files() == 0  # no file written for the partial chunk
+        results = list(tier.get_finished_jobs())
+        waiter = threading.Thread(target=tier.drain_jobs, daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive()  # nothing was left in the tier's pool
+    finally:
+        runtime.configure(policy=previous["policy"])
+        harness.close_engine(engine)
+    assert [(r.job_id, r.success, type(r)) for r in results] == [(41, True, base.JobResult)]
