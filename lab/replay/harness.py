@@ -815,21 +815,45 @@ class _Replay:
             return True
         return False
 
+    def tick(self, step: int, before_step: Callable[[], None] | None,
+             others: list["_Replay"] | None = None) -> bool:
+        """One replay step of this engine: a due restart, arrivals, aborts, one engine step,
+        the requests that ended, the stall count. True when this engine is over: every
+        request done and the connector drained, or a stall (``result.stalled``).
+
+        ``others``: engines sharing the tier (:func:`_run_together`): what ends here is told
+        to them (a request may wait for another engine's), and an engine with no live
+        request is not stalled while it waits for theirs (their own count catches a real
+        stall). A :class:`WorkerHang` carries this replay (``hang.replay``)."""
+        if (self.phase + 1 < self.phases and not self.live and not self._phase_pending[self.phase]
+                and self.drained()):
+            self.restart()
+        progressed = self.arrive(step)
+        progressed = self.abort(step) or progressed
+        if not self.live and not self.pending and self.drained():
+            return True
+        try:
+            sched_out = self.step(step, before_step)
+        except WorkerHang as hang:
+            hang.replay = self
+            raise
+        done_now = self.collect()
+        if others:
+            ended = [(rid, rid in self.failed_ids) for rid in done_now] + [(rid, True) for rid in self.dropped]
+            while ended:  # tell the others, and what that drops there, until nothing more ends
+                rid, failed = ended.pop()
+                for o in others:
+                    ended += [(d, True) for d in o.settle(rid, failed)]
+        self.watch.observe(self.result.steps, self.live)
+        if others and not self.live:
+            self.idle_steps = 0
+        return self.stalled(sched_out, progressed or bool(done_now))
+
     def run(self, progress: Callable[[int, int, int], None] | None,
             before_step: Callable[[], None] | None) -> None:
         """Step until every request is done and the connector drained, or a stall."""
         for step in range(max(MAX_STEPS, STEPS_PER_REQUEST * len(self.trace.requests))):
-            if (self.phase + 1 < self.phases and not self.live and not self._phase_pending[self.phase]
-                    and self.drained()):
-                self.restart()
-            progressed = self.arrive(step)
-            progressed = self.abort(step) or progressed
-            if not self.live and not self.pending and self.drained():
-                return
-            sched_out = self.step(step, before_step)
-            done_now = self.collect()
-            self.watch.observe(self.result.steps, self.live)
-            if self.stalled(sched_out, progressed or bool(done_now)):
+            if self.tick(step, before_step):
                 return
             if progress is not None and step % 8 == 0:
                 progress(self.result.finished, len(self.trace.requests), self.result.steps)
@@ -838,40 +862,16 @@ class _Replay:
 def _run_together(replays: list[_Replay], progress: Callable[[int, int, int], None] | None,
                   before_step: Callable[[], None] | None) -> None:
     """Step engines that share an fs tier (a trace's request ``engine`` field): in each
-    replay step every engine not done takes one step, in engine order, as :meth:`_Replay.run`
-    does for one. A request that ends on one engine is told to the others (a request may
-    wait for another engine's). An engine with no live request is not stalled by waiting
-    for another engine's request (that engine's own count catches a real stall). Stops at
-    the first engine that stalls. A :class:`WorkerHang` carries the hung replay
-    (``hang.replay``)."""
+    replay step every engine not done takes one :meth:`_Replay.tick`, in engine order.
+    Stops at the first engine that stalls."""
     total = sum(len(r.trace.requests) for r in replays)
     done = [False] * len(replays)
     for step in range(max(MAX_STEPS, STEPS_PER_REQUEST * total)):
         for k, r in enumerate(replays):
-            if done[k]:
-                continue
-            progressed = r.arrive(step)
-            progressed = r.abort(step) or progressed
-            if not r.live and not r.pending and r.drained():
+            if not done[k] and r.tick(step, before_step, [o for o in replays if o is not r]):
+                if r.result.stalled:
+                    return
                 done[k] = True
-                continue
-            try:
-                sched_out = r.step(step, before_step)
-            except WorkerHang as hang:
-                hang.replay = r
-                raise
-            done_now = r.collect()
-            ended = [(rid, rid in r.failed_ids) for rid in done_now] + [(rid, True) for rid in r.dropped]
-            while ended:  # tell the others, and what that drops there, until nothing more ends
-                rid, failed = ended.pop()
-                for o in replays:
-                    if o is not r:
-                        ended += [(d, True) for d in o.settle(rid, failed)]
-            r.watch.observe(r.result.steps, r.live)
-            if not r.live:
-                r.idle_steps = 0
-            if r.stalled(sched_out, progressed or bool(done_now)):
-                return
         if all(done):
             return
         if progress is not None and step % 8 == 0:
