@@ -10,8 +10,9 @@ replay's :mod:`.worker` and the fuzzer share it):
 
 - :class:`WorkerModel`: the parameters (a trace header's ``"worker"`` object, see
   :mod:`.trace`), all in engine steps or job ordinals;
-- :class:`JobQueue`: the jobs in flight, each with the step it is due and its success
-  flag, drawn deterministically from ``WorkerModel.seed`` in submission order.
+- :class:`JobQueue`: the jobs in flight, each with the step it is due (drawn from
+  ``WorkerModel.seed`` in submission order) and its success flag (drawn per transfer: the
+  request and its count of transfers, see :meth:`JobQueue._failure_draw`).
 
 Units: a latency is a number of engine steps (``schedule()`` + worker +
 ``update_from_output()`` = one step). Latency 0 means the job is reported in the
@@ -199,9 +200,11 @@ class PendingJob:
 class JobQueue:
     """The jobs in flight and their completion order, deterministic from ``model.seed``.
 
-    Latency and failure are drawn from two separate ``random.Random`` streams per
-    direction (seeded from ``model.seed`` and the stream's name), in submission order,
-    so that changing a failure rate does not move any job's completion step.
+    Latency is drawn from one ``random.Random`` stream per direction (seeded from
+    ``model.seed`` and the stream's name) in submission order; a failure from a stream per
+    transfer (the request and the count of its transfers of that direction, see
+    :meth:`_failure_draw`), so that changing a failure rate does not move any job's
+    completion step, and a job gained or lost elsewhere does not move a failure.
     """
 
     model: WorkerModel = field(default_factory=WorkerModel)
@@ -212,12 +215,29 @@ class JobQueue:
     submitted: int = 0
     _ordinals: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
     _rngs: dict[str, random.Random] = field(default_factory=dict)
+    #: transfers submitted so far per (direction, request id), for the failure draw
+    _per_request: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def _rng(self, name: str) -> random.Random:
         rng = self._rngs.get(name)
         if rng is None:
             rng = self._rngs[name] = random.Random(f"kvguard-worker:{self.model.seed}:{name}")
         return rng
+
+    def _failure_draw(self, kind: str, req_id: str | None) -> float:
+        """The failure draw of a request's next transfer of one direction, in ``[0, 1)``.
+
+        It follows the transfer, not the job count: the n-th load (or store) of request
+        ``r`` draws from a stream named by the seed, the direction, ``r`` and ``n``, so a
+        job another request gains or loses (a guard that withholds a chunk, a promotion
+        fewer) never moves a failure onto a different request. Both sides of the
+        differential fuzz then fail the same transfers. Jobs with no known request share
+        one stream in submission order.
+        """
+        if req_id is None:
+            return self._rng(f"{kind}-failure").random()
+        n = self._per_request[(kind, req_id)] = self._per_request.get((kind, req_id), -1) + 1
+        return random.Random(f"kvguard-worker:{self.model.seed}:{kind}-failure:{req_id}:{n}").random()
 
     def submit(self, job_id: int, is_store: bool, req_id: str | None = None) -> PendingJob:
         """Record a job the worker received at :attr:`step`; returns its drawn fate.
@@ -231,9 +251,10 @@ class JobQueue:
         faults = self.model.store_faults if is_store else self.model.load_faults
         ordinal = self._ordinals[is_store]
         self._ordinals[is_store] += 1
-        # Both streams advance on every job, whatever the model, so fates stay aligned.
+        # The latency stream advances on every job, whatever the model, so completion steps
+        # stay aligned when a failure rate changes.
         delay = self._rng(f"{kind}-latency").randint(latency.min, latency.max)
-        fails = self._rng(f"{kind}-failure").random() < faults.rate
+        fails = self._failure_draw(kind, req_id) < faults.rate
         job = PendingJob(
             job_id=job_id,
             is_store=is_store,

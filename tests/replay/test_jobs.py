@@ -114,3 +114,26 @@ def test_bad_worker_object_is_a_trace_error(worker: dict) -> None:
         parse_trace([json.dumps({**HEADER, "worker": worker}), json.dumps(REQ)])
     with pytest.raises(WorkerModelError):
         WorkerModel.from_json(worker)
+
+
+def test_a_failure_follows_the_request_not_the_job_count() -> None:
+    """A job another request gains (a promotion the guard withheld, say) does not move a
+    drawn failure: request r's n-th load draws the same fate either way."""
+    model = WorkerModel.from_json({"fail_loads": {"rate": 0.5}, "seed": 3})
+
+    def fates(extra_jobs: int) -> dict[tuple[str, int], bool]:
+        q = JobQueue(model)
+        out, job_id = {}, 0
+        for n in range(20):
+            for req in ("a", "b"):
+                if req == "b":
+                    for _ in range(extra_jobs):  # other work in between
+                        q.submit(job_id, is_store=False, req_id=f"other{job_id}")
+                        job_id += 1
+                out[(req, n)] = q.submit(job_id, is_store=False, req_id=req).success
+                job_id += 1
+        return out
+
+    base = fates(0)
+    assert fates(1) == base == fates(3)
+    assert set(base.values()) == {True, False}  # the rate draws both fates

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -254,3 +255,23 @@ def test_same_seed_same_report() -> None:
     other = _replay(_small({**worker, "seed": 6}))[1]
     other.pop("wall_s")
     assert other["worker"]["model"]["seed"] == 6 and one["worker"]["model"]["seed"] == 5
+
+
+def test_a_drawn_failure_follows_the_transfer_not_the_job_count() -> None:
+    """fault-moved-by-tier-publish-034.jsonl (fuzz seed 13, 0.34.0, two engines over an fs
+    tier, 30% of loads fail): guarded, ``tier_publish`` withholds partial chunks and one
+    promotion fewer is issued. When the worker drew failures per job in submission order,
+    that moved the one failure onto another request (the differential's false 'worse').
+    Drawn per transfer (the request and its count of loads), every request the guarded run
+    fails is one vLLM alone fails too, and at least one is failed by both."""
+    from guardtools_vllm import expressible
+
+    trace = load_trace(str(Path(__file__).parent / "traces" / "fault-moved-by-tier-publish-034.jsonl"))
+    if not expressible(trace):
+        pytest.skip("no vLLM fs tier on this release: the trace's secondary_tiers cannot be expressed")
+    failed = {}
+    for guard in (False, True):
+        out = _replay(trace, guard=guard)[1]
+        assert out["wrong_kv_blocks"] == 0 and not out["stalled"]
+        failed[guard] = {f["request_id"] for f in out["failed_requests"]}
+    assert failed[True] and failed[True] <= failed[False], failed
