@@ -218,6 +218,11 @@ class ExampleOutcome:
     harness_error: dict[str, str] | None = None
     #: kvguard's counted check evaluations (``runtime.snapshot()`` ``evaluated``; 0 unguarded)
     checks_evaluated: int = 0
+    #: copy-coverage skips that could admit a load the check never read: a lookup of a
+    #: scheduler whose stores are not recorded (``store_path``), or a store the full ledger
+    #: let through unrecorded under ``observe`` (``ledger_full``; under guard/strict that
+    #: store is refused, so no reader can load it). Issue 42's "0 skips that could admit a load"
+    unchecked_copy_admits: int = 0
     #: guard on, kvguard acted and the runner replayed the example unguarded too: the
     #: comparison (:class:`kvguard.lab.fuzz.differential.Verdict`), else None
     differential: Any = None
@@ -253,6 +258,21 @@ def _wrong_kv(result: Any) -> int:
     return 0
 
 
+def unchecked_copy_admits(checks: dict[str, Any], policy: str | None) -> int:
+    """Copy-coverage skips in ``checks`` (a replay's ``checks``, with ``skipped`` by reason)
+    that could let a load through unread: every ``store_path`` skip (a hit admitted with no
+    store record to read), and ``ledger_full`` skips under ``observe`` only (under guard and
+    strict the store the ledger had no room for is refused: its chunks are never
+    published). Other reasons are counted where they happen and are not copy coverage."""
+    from kvguard.guards import names
+
+    skipped = (checks.get(names.CHECK_COPY_COVERAGE) or {}).get("skipped") or {}
+    n = int(skipped.get(names.SKIP_STORE_PATH, 0))
+    if policy == names.POLICY_OBSERVE:
+        n += int(skipped.get(names.SKIP_LEDGER_FULL, 0))
+    return n
+
+
 def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -> ExampleOutcome:
     """The :class:`ExampleOutcome` of one :class:`~kvguard.lab.replay.harness.ReplayResult`.
 
@@ -279,6 +299,7 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
     out.checks_evaluated = sum(int(c.get("evaluated") or 0) for c in (result.checks or {}).values())
     if result.guard:
         out.actions = dict(actions)
+        out.unchecked_copy_admits = unchecked_copy_admits(result.checks or {}, result.policy)
         if not result.engine_survived:
             out.actions["engine_died"] = 1
     if not result.engine_survived:

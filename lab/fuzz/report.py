@@ -71,6 +71,9 @@ def table(result: dict[str, Any]) -> str:
         f", requests failed (ended with an error) {result.get('requests_failed', 0)}, "
         f"wrong-KV blocks {result['wrong_kv_blocks']}, kvguard bugs {result['kvguard_bugs']}",
     ]
+    if result["guard"]:
+        lines.append(f"  copy-coverage skips that could admit an unread load: "
+                     f"{result.get('copy_coverage_unchecked_admits', 0)}")
     lab = result.get("harness_error")
     if lab:
         lines.append(f"  HARNESS ERROR at example {lab['example']} (the lab, not vLLM or the guard): "

@@ -545,6 +545,8 @@ def fuzz(
         "shared_tier_examples": 0,
         # guarded: examples where kvguard acted (replayed unguarded too when differential)
         "acted_examples": 0,
+        # guarded: copy-coverage skips that could admit a load unread (classes.unchecked_copy_admits)
+        "copy_coverage_unchecked_admits": 0,
     }
     # the differential comparison of each acted example (lab/fuzz/differential.py):
     # verdict -> examples, and per check the examples where it cut a hit vLLM alone served
@@ -594,6 +596,7 @@ def fuzz(
         totals["wrong_kv_blocks"] += outcome.wrong_kv_blocks
         totals["stalls"] += int(any(f.kind == cls.KIND_STALL for f in outcome.findings))
         totals["acted_examples"] += int(bool(guard and acted(outcome.actions)))
+        totals["copy_coverage_unchecked_admits"] += outcome.unchecked_copy_admits
         if differential and guard and result is not None and to_compare(outcome.actions):
             # compared after the exploration, all in one unguarded batch (removing and
             # installing the guard costs ~0.5 s, ten examples' worth)

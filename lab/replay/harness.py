@@ -1056,6 +1056,9 @@ def _guard_report(result: ReplayResult) -> None:
         (names.CHECK_STORE_AFTER_FINALIZE, finalized_store.snapshot()),
     ):
         result.checks[check] = {**result.checks.get(check, {}), **counts}
+    # the admission checks' skips by reason (what kvguard_check_skipped_total counts)
+    for (check, reason), n in admission.snapshot_skipped().items():
+        result.checks.setdefault(check, {}).setdefault("skipped", {})[reason] = n
     result.guard_errors = runtime.guard_errors()
     result.sites = OffloadGuardInstrumentor().report()
     # true only when the guard really rewrote the offload path (the scheduler module)

@@ -434,3 +434,18 @@ def test_a_refusal_for_a_full_copy_ledger_is_an_action_the_differential_replays(
             runtime.configure(policy=previous["policy"])
         assert tee.counts.get(f"{names.CHECK_COPY_COVERAGE}:{names.ACTION_STORE_DROPPED}", 0) == want
         assert acted(tee.counts) is bool(want) and len(tee.counts) == want
+
+
+def test_copy_coverage_skips_that_could_admit_an_unread_load_are_counted() -> None:
+    """``store_path`` skips always could (a hit admitted with no store record read);
+    ``ledger_full`` only under observe (guard/strict refused that store); other checks'
+    skips are not copy coverage."""
+    from kvguard.guards import names
+    from kvguard.lab.fuzz.classes import unchecked_copy_admits
+
+    checks = {names.CHECK_COPY_COVERAGE: {"skipped": {names.SKIP_STORE_PATH: 2, names.SKIP_LEDGER_FULL: 5}},
+              names.CHECK_LOAD_COVERAGE: {"skipped": {names.SKIP_GROUP_KIND: 7}}}
+    assert unchecked_copy_admits(checks, names.POLICY_GUARD) == 2
+    assert unchecked_copy_admits(checks, names.POLICY_STRICT) == 2
+    assert unchecked_copy_admits(checks, names.POLICY_OBSERVE) == 7
+    assert unchecked_copy_admits({}, names.POLICY_GUARD) == 0

@@ -202,6 +202,7 @@ def test_a_full_ledger_refuses_the_partial_store_instead_of_forgetting(policy: s
     and each refusal counted as a ``ledger_full`` skip with a ``store_dropped`` event naming
     copy coverage. Under observe the store goes ahead unrecorded: vLLM's own outcome."""
     from kvguard.guards.checks import copy_ledger
+    from kvguard.lab.fuzz.classes import unchecked_copy_admits
 
     want = fact("swa_partial_chunk_wrong_kv_blocks")
     monkeypatch.setattr(copy_ledger, "LEDGER_MAX", 0)
@@ -213,6 +214,9 @@ def test_a_full_ledger_refuses_the_partial_store_instead_of_forgetting(policy: s
     assert result.guard_errors == {}
     if want:  # where vLLM alone serves the wrong block, the sharer's window chunk 0 was stored partly
         assert copies["unchecked"] >= 1
+        assert copies["skipped"] == {names.SKIP_LEDGER_FULL: copies["unchecked"]}
+    # the fuzz's "could admit an unread load": the observe stores only (guard refused them)
+    assert unchecked_copy_admits(result.checks, policy) == (copies["unchecked"] if policy == "observe" else 0)
     assert copies["hit_reduced"] == 0 and copies["raised"] == 0
     if policy == "observe":
         assert result.engine_survived and result.wrong_kv_blocks == want and not refused
