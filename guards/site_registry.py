@@ -46,6 +46,10 @@ class Site:
     release_keys: bool = False
     #: generic asserts of a request-scoped method before its ``prepare_load`` 
     request_scoped: bool = False
+    #: request-scoped asserts: the method's own release calls (source text over the frame's
+    #: locals, last hold first) that give back what it holds at the assert, run before the
+    #: request fails (:class:`kvguard.guards.hooking.discovery.RequestScope`)
+    releases: tuple[str, ...] = ()
 
 
 # --- the process-wide registry of discovered sites (metrics validate labels with it) -----

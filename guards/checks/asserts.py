@@ -67,6 +67,8 @@ class _SiteRT:
     release_keys: bool = False
     #: generic assert of a request-scoped method before its load is issued
     request_scoped: bool = False
+    #: its release calls, compiled (:attr:`kvguard.guards.site_registry.Site.releases`)
+    releases: tuple[CodeType, ...] = ()
 
 
 
@@ -89,6 +91,8 @@ def register(sites: list[Site], module_globals: dict[str, Any] | None = None) ->
             site.site_id, site.check, site.kind, code, module_globals, pending,
             release_keys=getattr(site, "release_keys", False),
             request_scoped=getattr(site, "request_scoped", False),
+            releases=tuple(compile(expr, f"<release of {site.site_id}>", "eval")
+                           for expr in getattr(site, "releases", ())),
         )
 
 
@@ -143,7 +147,7 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
     elif site.request_scoped and GLOBAL_FAIL_REQUEST in holder.f_code.co_names:
         rid = _request_id(context)
         error = _failure_text(site, msg)
-        if rid is not None and degrade.register_failure(rid, error, site.site_id, holder):
+        if rid is not None and _give_back(site, holder) and degrade.register_failure(rid, error, site.site_id, holder):
             action = names.ACTION_REQUEST_FAILED
             exc = runtime.RequestFailed(msg) if msg is not _NO_MSG else runtime.RequestFailed()
     if action == names.ACTION_STORE_DROPPED:
@@ -155,6 +159,25 @@ def _check_failed_assert(site: _SiteRT, context: dict[str, Any], msg: Any) -> Ba
     )
     return exc
 
+
+
+def _give_back(site: _SiteRT, holder: Any) -> bool:
+    """Run the request-scoped ``site``'s release calls in ``holder`` (the vLLM frame of the
+    failing assert): the method's own calls that give back what it holds at that line
+    (0.34.0's ``self._free_pending_cpu_hit(pending)``, ``BlockPool.free_blocks`` of blocks
+    it touched), last taken first. True when every one ran (or there are none); False
+    when one raised (counted, ``stage="request_fail"``): then the request is not failed
+    and vLLM's assertion decides, as without kvguard."""
+    if not site.releases:
+        return True
+    scope = {**(site.module_globals or holder.f_globals), **holder.f_locals}
+    try:
+        for code in site.releases:
+            eval(code, scope)
+    except Exception as error:
+        counts.guard_error(names.STAGE_REQUEST_FAIL, error)
+        return False
+    return True
 
 
 def _request_id(context: dict[str, Any]) -> str | None:

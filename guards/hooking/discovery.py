@@ -181,8 +181,16 @@ def _store_keys_asserts(func: ast.AST) -> list[tuple[ast.Assert, ast.stmt, bool]
 #: before the method takes any per-request entry out of the scheduler's state (a
 #: ``self.<attr>.pop(...)``: since vllm#42289 the SimpleCPUOffloadConnector's lookup pins its
 #: hit and this method pops the pin, which is then the method's to release), has taken hold
-#: of nothing, so failing that request alone leaves nothing to release.
+#: of nothing, so failing that request alone leaves nothing to release. Where the method's
+#: own code shows how to give a hold back, the scope reaches past it (:func:`_request_scope`).
 LOAD_HOLD_CALLS: frozenset[str] = frozenset({"prepare_load", "touch"})
+
+#: A hold call and the call of the same object that gives it back: vLLM's ``BlockPool.touch``
+#: raises each block's ``ref_cnt`` (taking a free block out of the free queue) and
+#: ``BlockPool.free_blocks`` lowers it (a block at 0 goes back to the free queue's tail, the
+#: move 0.34.0's own ``update_state_after_alloc`` makes with ``touch`` then ``free_blocks`` to
+#: refresh a block's LRU place). ``prepare_load`` has no such inverse in the method.
+HOLD_RELEASES: dict[str, str] = {"touch": "free_blocks"}
 
 
 def _takes_state(node: ast.AST) -> bool:
@@ -194,10 +202,101 @@ def _takes_state(node: ast.AST) -> bool:
     )
 
 
-def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
-    """Where the request scope of ``func`` ends (the line of its first :data:`LOAD_HOLD_CALLS`
-    call or first :func:`_takes_state`) when ``func`` is request-scoped (takes ``request``,
-    returns nothing, takes hold of blocks for a load), else None."""
+@dataclass(frozen=True)
+class RequestScope:
+    """Where failing a request-scoped method's request alone is sound, by source line.
+
+    ``end``: the line of the first hold (or release of a hold) the method's code gives no
+    way back from; asserts from there on are not request-scoped. ``gaps``: ``(first, last)``
+    line ranges where a popped per-request entry the method has no release for is still to
+    be read (an assert there would drop it). ``releases``: ``(first, last, expr)``: an assert
+    on a line in ``[first, last)`` must give back what ``expr`` (the method's own release
+    call, source text over the frame's locals) gives back before the request fails; in the
+    order the holds were taken (run them last first).
+    """
+
+    end: int
+    gaps: tuple[tuple[int, int], ...] = ()
+    releases: tuple[tuple[int, int, str], ...] = ()
+
+    def releases_at(self, line: int) -> tuple[str, ...] | None:
+        """The release calls an assert at ``line`` needs (last taken first), or None when
+        an assert there is not request-scoped."""
+        if line >= self.end or any(a <= line <= b for a, b in self.gaps):
+            return None
+        return tuple(expr for a, b, expr in reversed(self.releases) if a < line < b)
+
+
+def _parents(func: ast.AST) -> dict[int, list[tuple[list[ast.stmt], int]]]:
+    """``id(node) -> [(statement list, index of the statement holding it), ...]`` for every
+    node of ``func``'s own scope, outermost list first."""
+    out: dict[int, list[tuple[list[ast.stmt], int]]] = {}
+
+    def visit(stmts: list[ast.stmt], chain: list[tuple[list[ast.stmt], int]]) -> None:
+        for i, st in enumerate(stmts):
+            here = [*chain, (stmts, i)]
+            for node in _own_walk(st):
+                out[id(node)] = here  # innermost list wins (visited last)
+            for field_name in ("body", "orelse", "finalbody"):
+                inner = getattr(st, field_name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt) and not isinstance(
+                        st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(inner, here)
+            for handler in getattr(st, "handlers", []) or []:
+                visit(handler.body, here)
+            for case in getattr(st, "cases", []) or []:
+                visit(case.body, here)
+
+    visit(func.body, [])  # type: ignore[attr-defined]
+    return out
+
+
+def _exits(chain: list[tuple[list[ast.stmt], int]]) -> bool:
+    """Whether a node at ``chain`` is in a branch that returns or raises after it (so code
+    after the branch never runs once it has)."""
+    return any(isinstance(stmts[-1], (ast.Return, ast.Raise)) for stmts, _ in chain[1:])
+
+
+def _bound_name(func: ast.AST, call: ast.Call) -> str | None:
+    """The local ``call``'s value is bound to (``x = call`` or ``(x := call)``), when that is
+    the only binding of the name in ``func``; else None."""
+    name = None
+    for node in _own_walk(func):
+        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        elif isinstance(node, ast.NamedExpr) and node.value is call:
+            name = node.target.id
+    if name is None:
+        return None
+    stores = sum(1 for n in _own_walk(func) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store))
+    return name if stores == 1 else None
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope | None:
+    """The :class:`RequestScope` of ``func`` when it is request-scoped (takes ``request``,
+    returns nothing, takes hold of blocks for a load, not in a loop), else None.
+
+    Derived from the method's own code, statement by statement (only the method's top-level
+    statements are sure to have run before a later line):
+
+    - a hold (:data:`LOAD_HOLD_CALLS`) given back by its :data:`HOLD_RELEASES` call on the
+      same argument later in the same statement list is no hold;
+    - a top-level hold with such an inverse adds a release (the inverse on the hold's own
+      object and argument, re-evaluated on the frame) until the method itself gives it back;
+      any other hold ends the scope;
+    - a popped per-request entry (:func:`_takes_state`) bound to a local: released by the
+      method's own top-level call ``self.<m>(local)`` (vLLM's release path, e.g. 0.34.0's
+      ``self._free_pending_cpu_hit(pending)``) adds that call as a release until it runs; a
+      call of it in a branch that returns is that branch's own; one elsewhere ends the scope.
+      With no such call the entry is the method's to use: asserts between the pop and the
+      local's last read are not scoped (``gaps``), later ones are (the entry is consumed).
+      A pop bound to nothing, or bound twice, ends the scope.
+    """
     a = func.args
     if not any(arg.arg == "request" for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
         return None
@@ -208,15 +307,59 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
         return None
     if any(_calls_attr(loop, name) for loop in _outer_loops(func) for name in LOAD_HOLD_CALLS):
         return None  # a load issued in a loop: a later assert could follow a half-issued load
-    lines = [
-        n.lineno
-        for n in own
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in LOAD_HOLD_CALLS
-    ]
-    if not lines:
+    holds = [n for n in own if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr in LOAD_HOLD_CALLS]
+    if not holds:
         return None
-    taken = [n.lineno for n in own if _takes_state(n)]
-    return min(lines + taken)
+    parents = _parents(func)
+    ends: list[int] = []
+    gaps: list[tuple[int, int]] = []
+    releases: list[tuple[int, int, str]] = []
+    for call in sorted(holds, key=lambda c: c.lineno):
+        inverse = HOLD_RELEASES.get(call.func.attr)  # type: ignore[union-attr]
+        chain = parents.get(id(call), [])
+        if inverse is None or len(call.args) != 1 or call.keywords or not chain:
+            ends.append(call.lineno)
+            continue
+        stmts, i = chain[-1]
+        arg = _names_in(call.args[0])
+        given_back = [
+            st.lineno for st in stmts[i + 1:]
+            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == inverse
+                   and ast.unparse(n.func.value) == ast.unparse(call.func.value)  # type: ignore[union-attr]
+                   and arg and arg <= set().union(*(_names_in(x) for x in n.args))
+                   for n in _own_walk(st))
+        ]
+        if given_back:
+            continue  # the method gives it back itself, in the same block
+        if len(chain) != 1:
+            ends.append(call.lineno)  # a hold in a branch: whether it ran is not known here
+            continue
+        obj = ast.unparse(call.func.value)  # type: ignore[union-attr]
+        releases.append((call.lineno, 1 << 30, f"{obj}.{inverse}({ast.unparse(call.args[0])})"))
+    for pop in (n for n in own if _takes_state(n)):
+        name = _bound_name(func, pop)
+        if name is None:
+            ends.append(pop.lineno)
+            continue
+        calls = [n for n in own if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+                 and len(n.args) == 1 and not n.keywords
+                 and isinstance(n.args[0], ast.Name) and n.args[0].id == name and n.lineno > pop.lineno]
+        if calls:
+            straight = [c for c in calls if len(parents.get(id(c), [])) == 1]
+            other = [c for c in calls if len(parents.get(id(c), [])) != 1 and not _exits(parents.get(id(c), []))]
+            if other or not straight:
+                ends.append(min(c.lineno for c in (other or calls)))
+                continue
+            first = min(c.lineno for c in straight)
+            releases.append((pop.lineno, first, f"self.{straight[0].func.attr}({name})"))  # type: ignore[union-attr]
+            continue
+        reads = [n.lineno for n in own if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+        gaps.append((pop.lineno, max([pop.lineno, *reads])))
+    end = min(ends, default=max(n.lineno for n in own if hasattr(n, "lineno")) + 1)
+    # a release that the method itself runs past ``end`` changes nothing before it
+    return RequestScope(end, tuple(sorted(gaps)), tuple(sorted(releases)))
 
 
 def discover(module: str, tree: ast.Module, worker_side: Collection[str] = frozenset()) -> Discovery:
@@ -253,7 +396,7 @@ def discover(module: str, tree: ast.Module, worker_side: Collection[str] = froze
         store_keys = {id(a): (stmt, before) for a, stmt, before in _store_keys_asserts(func)} if is_store_builder else {}
         if store_keys:
             result.expected_special.add(SPECIAL_STORE_KEYS)
-        load_line = _request_scope(func) if owner.endswith("Scheduler") else None
+        scope = _request_scope(func) if owner.endswith("Scheduler") else None
         scoped = False
         for node in ast.walk(func):
             if not isinstance(node, ast.Assert):
@@ -289,10 +432,12 @@ def discover(module: str, tree: ast.Module, worker_side: Collection[str] = froze
                 if skip.site_id not in {s.site_id for s in result.sites}:
                     result.sites.append(skip)
             else:
-                in_scope_of_request = load_line is not None and node.lineno < load_line
+                to_release = scope.releases_at(node.lineno) if scope is not None else None
+                in_scope_of_request = to_release is not None
                 scoped = scoped or in_scope_of_request
                 site = Site(f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
-                            generic_check, fp, node.lineno, request_scoped=in_scope_of_request)
+                            generic_check, fp, node.lineno, request_scoped=in_scope_of_request,
+                            releases=to_release or ())
             if site.site_id not in {s.site_id for s in result.sites}:
                 result.sites.append(site)
         if scoped:

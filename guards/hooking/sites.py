@@ -83,9 +83,12 @@ assert of the installed release (identical asserts in one function share an id).
   assert, #39702's hit-length assert of the SimpleCPUOffloadConnector): a method of an
   offload ``*Scheduler`` class that takes ``request``, returns nothing (only bare
   ``return``) and takes hold of blocks for a load (:data:`LOAD_HOLD_CALLS`:
-  ``prepare_load``, ``touch``): its generic asserts that run before the first such call,
-  and before the method pops a per-request entry off the scheduler's state (a pin it then
-  owns), are marked :attr:`Site.request_scoped`, and a
+  ``prepare_load``, ``touch``): its generic asserts that run while failing the request
+  leaves nothing held, or while the method's own code shows how to give back what it holds
+  (:class:`~kvguard.guards.hooking.discovery.RequestScope`: a pin it popped off the
+  scheduler's state and releases itself, e.g. 0.34.0's ``self._free_pending_cpu_hit(pending)``;
+  a ``BlockPool.touch`` undone by ``free_blocks``), are marked :attr:`Site.request_scoped`
+  with those release calls (:attr:`Site.releases`, run before the request fails), and a
   site ``...:request_scope`` (kind ``request_scope``) wraps the method's body so that
   under ``guard`` such a failure fails that request alone
   (:mod:`kvguard.guards.policy.degrade`): no load was issued for it yet, so it can never be

@@ -50,14 +50,17 @@ def _simple_sites() -> tuple[dict[str, str], list[sites.Site]]:
     return mine, found
 
 
-def _race_is_request_scoped() -> bool:
-    """Whether the installed manager's ``update_state_after_alloc`` asserts before it takes
-    hold of any block (a ``request_scope`` site there): vLLM 0.21.0, the release #39702 was
-    reported on. From vllm#42289 on the lookup pins its hit and the method pops that pin
-    first, so its asserts are not request-scoped (failing the request would leak the pin)."""
+def _manager_sites() -> list[sites.Site]:
+    """The sites of the installed manager's ``update_state_after_alloc``."""
     _, found = _simple_sites()
-    return any(s.kind == sites.KIND_REQUEST_SCOPE and s.qualname.endswith(".update_state_after_alloc")
-               and s.module == SIMPLE_MANAGER for s in found)
+    return [s for s in found if s.module == SIMPLE_MANAGER and s.qualname.endswith(".update_state_after_alloc")]
+
+
+def _race_is_request_scoped() -> bool:
+    """Whether the #39702 race can reach a request-scoped assert: the installed lookup does
+    not pin its hit (vLLM 0.21.0, the release #39702 was reported on; from vllm#42289 on the
+    lookup pins it and the race is gone) and ``update_state_after_alloc`` is request-scoped."""
+    return not _lookup_pins_its_hit() and any(s.kind == sites.KIND_REQUEST_SCOPE for s in _manager_sites())
 
 
 def _lookup_pins_its_hit() -> bool:
@@ -68,10 +71,28 @@ def _lookup_pins_its_hit() -> bool:
     return "touch" in inspect.getsource(SimpleCPUOffloadScheduler.get_num_new_matched_tokens)
 
 
-def test_the_race_is_request_scoped_exactly_where_the_lookup_does_not_pin():
-    """On every release one of the two: the assert before any hold (request-scoped, 0.21.0),
-    or the lookup pins its hit (vllm#42289) and the race is gone."""
-    assert _race_is_request_scoped() != _lookup_pins_its_hit()
+def test_every_assert_of_update_state_after_alloc_is_request_scoped_and_gives_back_what_it_holds():
+    """On every release each assert of the manager's ``update_state_after_alloc`` fails its
+    request alone under guard (none re-raises), and each one that runs while the method
+    holds something (the pinned hit it popped, blocks it touched) carries the method's own
+    calls that give it back: release calls found in the method's source, or
+    ``free_blocks`` on an object the method ``touch``es. Where the lookup pins its hit, the
+    asserts after the pop give the pin back (tests/vllm/test_simple_replay.py runs one)."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    found = _manager_sites()
+    asserts = [s for s in found if s.kind == sites.KIND_ASSERT]
+    assert any(s.kind == sites.KIND_REQUEST_SCOPE for s in found)
+    assert asserts and all(s.request_scoped for s in asserts), [(s.lineno, s.fingerprint) for s in asserts]
+    source = inspect.getsource(SimpleCPUOffloadScheduler.update_state_after_alloc)
+    for site in asserts:
+        for release in site.releases:
+            obj, call = release.split("(", 1)[0].rsplit(".", 1)
+            assert (f"{obj}.{call}(" in source) or (call == "free_blocks" and f"{obj}.touch(" in source), release
+    pops = "_pending_cpu_hits.pop(" in source
+    assert pops == _lookup_pins_its_hit()
+    if pops:
+        assert any(r.startswith("self._free_pending_cpu_hit(") for s in asserts for r in s.releases)
 
 
 def test_every_scheduler_side_assert_of_the_simple_connector_is_a_site():

@@ -291,3 +291,50 @@ def test_a_gpu_block_freed_twice_in_one_call_is_split() -> None:
         # vLLM's own free-queue asserts (FreeKVCacheBlockQueue.popleft_n / append_n)
         assert "kv_cache_utils.py" in plain.error_site and plain.error_site.endswith(("popleft_n", "append_n"))
     assert checks["free_split"] >= 1 and checks["continued"] == checks["raised"] == 0
+
+
+def _misaligned_hit_replay(guard: bool):
+    """simple-39702 with the victim's lookup answering its hit one token short: an external
+    hit no scheduler block boundary allows, so the first alignment assert of
+    ``update_state_after_alloc`` after the pending hit is popped fails (0.25.1 to 0.29.0
+    ``num_external_tokens % g_block_size``, 0.33.0 and 0.34.0 ``% self.hash_block_size``; on
+    0.21.0, whose lookup pins nothing, ``hit_length == num_external_tokens``)."""
+    trace = load_trace(TRACE)
+    if guard:
+        harness.install_guard("guard")
+    else:
+        harness.uninstall_guard()
+    engine = harness.build_engine(trace.geometry, trace.worker)
+    manager = engine.connector_scheduler
+    real = manager.get_num_new_matched_tokens
+
+    def lookup(request, num_computed_tokens):
+        hit, is_async = real(request, num_computed_tokens)
+        if request.request_id == VICTIM and hit:
+            return hit - 1, is_async
+        return hit, is_async
+
+    manager.get_num_new_matched_tokens = lookup
+    return manager, harness.run_replay(trace, guard=guard, engine=engine)
+
+
+def test_an_assert_after_the_pinned_hit_is_popped_fails_the_request_alone_and_gives_the_pin_back() -> None:
+    """Where the lookup pins its hit (vllm#42289) ``update_state_after_alloc`` pops the pin
+    before its asserts, so failing the request there must give the pin back: kvguard runs the
+    method's own release (``self._free_pending_cpu_hit(pending)``, read from the installed
+    code, guards/hooking/discovery.RequestScope) and then fails the request. vLLM alone dies
+    at the assert; guarded, the victim fails alone, every other request finishes on the
+    right KV, and at the end no CPU block is still pinned (a leaked pin would hold one)."""
+    from kvguard.guards.telemetry import events
+
+    _, plain = _misaligned_hit_replay(guard=False)
+    assert not plain.engine_survived and "AssertionError" in (plain.error or "")
+    with events.capture() as logged:
+        manager, guarded = _misaligned_hit_replay(guard=True)
+    assert guarded.engine_survived and not guarded.stalled and guarded.wrong_kv_blocks == 0
+    assert [f["request_id"] for f in guarded.failed_requests] == [VICTIM]
+    assert guarded.finished == guarded.submitted - 1
+    (failed,) = [e for e in logged if e["event"] == "check_failed"]
+    assert failed["action"] == "request_failed" and failed["request_id"] == VICTIM
+    assert sum(1 for b in manager.cpu_block_pool.blocks if b.ref_cnt > 0) == 0
+    assert guarded.guard_errors == {}
