@@ -289,10 +289,12 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope
     - a top-level hold with such an inverse adds a release (the inverse on the hold's own
       object and argument, re-evaluated on the frame) until the method itself gives it back;
       any other hold ends the scope;
-    - a popped per-request entry (:func:`_takes_state`) bound to a local: released by the
-      method's own top-level call ``self.<m>(local)`` (vLLM's release path, e.g. 0.34.0's
-      ``self._free_pending_cpu_hit(pending)``) adds that call as a release until it runs; a
-      call of it in a branch that returns is that branch's own; one elsewhere ends the scope.
+    - a popped per-request entry (:func:`_takes_state`) bound to a local: its release is the
+      one method ``self.<m>(local)`` the code calls where it gives up (in a branch that
+      returns or raises: vLLM's own early exit, e.g. 0.34.0's
+      ``self._free_pending_cpu_hit(pending)`` when no token is external); that call is added
+      as a release until the method makes it on its straight path; a call of it in a branch
+      that does not return ends the scope.
       With no such call the entry is the method's to use: asserts between the pop and the
       local's last read are not scoped (``gaps``), later ones are (the entry is consumed).
       A pop bound to nothing, or bound twice, ends the scope.
@@ -346,14 +348,21 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope
                  and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
                  and len(n.args) == 1 and not n.keywords
                  and isinstance(n.args[0], ast.Name) and n.args[0].id == name and n.lineno > pop.lineno]
-        if calls:
+        # the release: a method the code calls on the entry where it gives up (a branch
+        # that returns or raises); any other call on it is a use
+        given_up = {c.func.attr for c in calls if _exits(parents.get(id(c), []))}  # type: ignore[union-attr]
+        calls = [c for c in calls if c.func.attr in given_up]  # type: ignore[union-attr]
+        if len(given_up) == 1:
             straight = [c for c in calls if len(parents.get(id(c), [])) == 1]
             other = [c for c in calls if len(parents.get(id(c), [])) != 1 and not _exits(parents.get(id(c), []))]
-            if other or not straight:
-                ends.append(min(c.lineno for c in (other or calls)))
+            if other:
+                ends.append(min(c.lineno for c in other))
                 continue
-            first = min(c.lineno for c in straight)
-            releases.append((pop.lineno, first, f"self.{straight[0].func.attr}({name})"))  # type: ignore[union-attr]
+            first = min((c.lineno for c in straight), default=1 << 30)
+            releases.append((pop.lineno, first, f"self.{calls[0].func.attr}({name})"))  # type: ignore[union-attr]
+            continue
+        if given_up:  # two ways to give it up: which one applies is not read here
+            ends.append(pop.lineno)
             continue
         reads = [n.lineno for n in own if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
         gaps.append((pop.lineno, max([pop.lineno, *reads])))

@@ -315,23 +315,81 @@ def test_the_simple_connectors_worker_role_is_read_off_its_constructor():
     assert [s.qualname for s in found.sites] == ["SimpleCPUOffloadConnector.__init__"]
 
 
-def test_a_request_scope_ends_where_the_method_takes_hold_of_blocks():
-    """The hit-length assert (vllm#39702) runs before ``touch``: request-scoped; the assert
-    after it is not (the blocks are pinned: failing the request would leak the pin)."""
+def _scoped(source: str) -> dict[str, tuple[str, ...] | None]:
+    """assert text -> its release calls when request-scoped, None when not."""
+    found = sites.discover(f"{SIMPLE}.manager", ast.parse(source))
+    return {s.fingerprint: (s.releases if s.request_scoped else None) for s in found.sites if s.kind == "assert"}
+
+
+def test_a_touch_the_method_can_give_back_keeps_the_scope_with_its_release():
+    """The hit-length assert (vllm#39702) runs before ``touch``: request-scoped, nothing to
+    give back; the assert after the touch is request-scoped with ``free_blocks`` of the
+    touched blocks (``BlockPool.touch``'s inverse, on the same pool and argument)."""
     found = sites.discover(f"{SIMPLE}.manager", ast.parse(SIMPLE_TREE[f"{SIMPLE}.manager"]))
-    scoped = {s.fingerprint: s.request_scoped for s in found.sites if s.kind == "assert"}
-    assert scoped == {"hit == num_external_tokens": True,
-                      "self._reqs_to_load.get(request.request_id) is None": False}
+    assert _scoped(SIMPLE_TREE[f"{SIMPLE}.manager"]) == {
+        "hit == num_external_tokens": (),
+        "self._reqs_to_load.get(request.request_id) is None": ("self.cpu_block_pool.free_blocks(blocks)",),
+    }
     assert [s.site_id.rsplit(":", 1)[-1] for s in found.sites if s.kind == sites.KIND_REQUEST_SCOPE] == ["request_scope"]
 
 
-def test_a_request_scope_ends_at_a_pin_popped_off_the_schedulers_state():
-    """Since vllm#42289 the lookup pins the hit and this method pops the pin before its
-    asserts: an assert after the pop is not request-scoped (the pin is the method's to free)."""
+def test_a_hold_with_no_inverse_or_inside_a_branch_ends_the_scope():
+    base = SIMPLE_TREE[f"{SIMPLE}.manager"]
+    no_inverse = base.replace("self.cpu_block_pool.touch(blocks)", "self.manager.prepare_load(blocks)")
+    assert _scoped(no_inverse)["self._reqs_to_load.get(request.request_id) is None"] is None
+    branch = base.replace("        self.cpu_block_pool.touch(blocks)\n",
+                          "        if blocks:\n            self.cpu_block_pool.touch(blocks)\n")
+    assert _scoped(branch)["self._reqs_to_load.get(request.request_id) is None"] is None
+    given_back = base.replace("        self.cpu_block_pool.touch(blocks)\n",
+                              "        self.cpu_block_pool.touch(blocks)\n"
+                              "        self.cpu_block_pool.free_blocks(reversed(blocks))\n"
+                              "        self.gpu_pool.touch(blocks)\n")
+    # vLLM 0.34.0's LRU refresh (touch then free_blocks) holds nothing; the next touch does
+    assert _scoped(given_back)["self._reqs_to_load.get(request.request_id) is None"] == (
+        "self.gpu_pool.free_blocks(blocks)",)
+
+
+def _with_pop(release: str = "", read_after: bool = True) -> str:
     source = SIMPLE_TREE[f"{SIMPLE}.manager"].replace(
         "        hit = self.coordinator",
-        "        pending = self._pending_cpu_hits.pop(request.request_id, None)\n        hit = self.coordinator",
+        "        pending = self._pending_cpu_hits.pop(request.request_id, None)\n"
+        "        if num_external_tokens == 0:\n"
+        "            if pending is not None:\n"
+        "                self._free_pending_cpu_hit(pending)\n"
+        "            return\n"
+        "        hit = self.coordinator",
     )
-    found = sites.discover(f"{SIMPLE}.manager", ast.parse(source))
-    assert [s.request_scoped for s in found.sites if s.kind == "assert"] == [False, False]
-    assert not [s for s in found.sites if s.kind == sites.KIND_REQUEST_SCOPE]
+    tail = ("        self._free_pending_cpu_hit(pending)\n" if release else "") + \
+           ("        self.use(pending)\n" if read_after else "")
+    return source.replace("        self.cpu_block_pool.touch(blocks)\n", "        self.cpu_block_pool.touch(blocks)\n" + tail)
+
+
+def test_a_pin_popped_off_the_schedulers_state_is_given_back_by_the_methods_own_release():
+    """Since vllm#42289 the lookup pins the hit and this method pops the pin before its
+    asserts: an assert after the pop is request-scoped with the method's own release of the
+    pin (``self._free_pending_cpu_hit(pending)``) until the method calls it itself; its call
+    in the branch that returns early is that branch's own."""
+    got = _scoped(_with_pop(release="yes"))
+    assert got == {
+        "hit == num_external_tokens": ("self._free_pending_cpu_hit(pending)",),
+        "self._reqs_to_load.get(request.request_id) is None": ("self.cpu_block_pool.free_blocks(blocks)",),
+    }
+
+
+def test_a_popped_entry_with_no_release_is_the_methods_until_its_last_read():
+    """No release call: an assert before the popped local's last read is not request-scoped
+    (the entry would be dropped); after it, the entry is consumed and the assert is."""
+    source = _with_pop(read_after=True).replace("                self._free_pending_cpu_hit(pending)\n",
+                                                "                pass\n")
+    # read after the touch: the hit-length assert would drop it, the last assert runs after
+    assert _scoped(source) == {"hit == num_external_tokens": None,
+                               "self._reqs_to_load.get(request.request_id) is None":
+                                   ("self.cpu_block_pool.free_blocks(blocks)",)}
+    consumed = source.replace("        self.use(pending)\n", "").replace(
+        "        hit = self.coordinator", "        self.use(pending)\n        hit = self.coordinator")
+    assert _scoped(consumed)["hit == num_external_tokens"] == ()
+    unbound = SIMPLE_TREE[f"{SIMPLE}.manager"].replace(
+        "        hit = self.coordinator", "        self._pending_cpu_hits.pop(request.request_id, None)\n        hit = self.coordinator")
+    assert set(_scoped(unbound).values()) == {None}
+    assert not [s for s in sites.discover(f"{SIMPLE}.manager", ast.parse(unbound)).sites
+                if s.kind == sites.KIND_REQUEST_SCOPE]
