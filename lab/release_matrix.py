@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from kvguard.guards.hooking.rewrite import SiteSpec, find_function, rewrite_function
+from kvguard.lab import knobs
 from kvguard.guards.hooking.sites import (
     CONNECTOR_SIMPLE,
     MEASURED_VLLM_RELEASES,
@@ -65,6 +66,10 @@ class ReleaseRow:
     window_expr: str | None = None
     worker_side_by_import: list[str] = field(default_factory=list)
     in_scope_by_connector: dict[str, int] = field(default_factory=dict)
+    #: every ``kv_connector_extra_config`` key the release's offload code reads
+    #: (:func:`kvguard.lab.knobs.extra_config_keys`), and those the lab's engines set
+    config_keys: list[str] = field(default_factory=list)
+    config_keys_drawn: list[str] = field(default_factory=list)
 
 
 def _count_asserts(node: ast.AST) -> int:
@@ -110,6 +115,8 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
     row.special_expected = sorted(expected)
     row.special_missing = sorted(missing)
     row.window_bound, row.window_expr = asserted_window_bound(sources, *SEED_GEOMETRY)
+    row.config_keys = list(knobs.extra_config_keys(package_sources))
+    row.config_keys_drawn = [k for k in row.config_keys if k in knobs.LAB_KEYS]
     return row
 
 
@@ -124,14 +131,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(row)))
         return 0
     print("| vLLM | asserts in scope | of which SimpleCPUOffloadConnector | rewritten | special sites matched "
-          "| window bound (4096/32/256) | worker-side by import |")
-    print("|---|---:|---:|---:|---|---:|---|")
+          "| window bound (4096/32/256) | worker-side by import | extra-config keys read (the lab sets) |")
+    print("|---|---:|---:|---:|---|---:|---|---:|")
     for r in rows:
         specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)
                              if k in r.special_expected and k not in r.special_missing)
         by_import = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m in r.worker_side_by_import) or "-"
         simple = r.in_scope_by_connector.get(CONNECTOR_SIMPLE, 0)
-        print(f"| {r.version} | {r.in_scope} | {simple} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} |")
+        keys = f"{len(r.config_keys)} ({len(r.config_keys_drawn)})"
+        print(f"| {r.version} | {r.in_scope} | {simple} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} "
+              f"| {keys} |")
     return 0
 
 

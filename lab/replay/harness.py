@@ -81,6 +81,24 @@ STALL_STEPS = 64
 MAX_STEPS = 200_000
 STEPS_PER_REQUEST = 64
 
+@dataclass(frozen=True)
+class RetiredOracle:
+    """What the KV-content oracle of an engine that is gone found: its wrong-KV records
+    (``wrong_kv``: dicts, see :mod:`.kv_oracle`), the requests that read them and the GPU
+    blocks. Kept instead of the oracle, whose pages and token view (a bound method of its
+    worker, and so the worker's scheduler) would keep every retired engine alive: a long
+    life with hundreds of restarts grew to 23 GB and was killed for memory (0.34.0, fuzz
+    seed 7003, ``--epochs 2500``)."""
+
+    wrong_kv: tuple[Any, ...]
+    wrong_kv_requests: frozenset[str]
+    wrong_kv_blocks: int
+
+    @classmethod
+    def of(cls, oracle: Any) -> "RetiredOracle":
+        return cls(tuple(oracle.wrong_kv), frozenset(oracle.wrong_kv_requests), int(oracle.wrong_kv_blocks))
+
+
 @dataclass
 class ReplayResult:
     """Everything one replay observed (turned into the report by :mod:`.report`)."""
@@ -139,8 +157,9 @@ class ReplayResult:
     #: engine restarts the trace made (``restart`` lines), and the KV oracles of the engines
     #: before the last one (``worker`` is the last engine's)
     restarts: int = 0
-    #: the KV oracles of the engines before the last restart and of the engines beside
-    #: engine 0 (a trace whose requests name several ``engine``s sharing an fs tier)
+    #: what the KV oracles of the engines before the last restart and of the engines beside
+    #: engine 0 (a trace whose requests name several ``engine``s sharing an fs tier) found
+    #: (:class:`RetiredOracle`: the verdict only, so a retired engine is not kept alive)
     retired_oracles: list[Any] = field(default_factory=list, repr=False)
     #: engines that served the trace side by side (1 unless requests name ``engine`` > 0);
     #: ``worker`` and ``cpu_chunks`` are engine 0's, ``secondary_tiers`` sums every engine's
@@ -671,7 +690,7 @@ class _Replay:
         if old.tier_tap is not None:
             old.tier_tap.restore()
         if old.worker.oracle is not None:
-            self.result.retired_oracles.append(old.worker.oracle)
+            self.result.retired_oracles.append(RetiredOracle.of(old.worker.oracle))
         self.engine = new = restart_engine(old)
         self.recorder = _HitRecorder(new.connector_scheduler, self.result)
         self.watch = StallWatch(new.connector_scheduler)
@@ -1012,7 +1031,7 @@ def run_replay(
     for peer_replay in replays[1:]:  # engines beside engine 0: their oracles count, their tiers end
         peer = peer_replay.engine
         if peer.worker.oracle is not None:
-            result.retired_oracles.append(peer.worker.oracle)
+            result.retired_oracles.append(RetiredOracle.of(peer.worker.oracle))
         if peer.tier_tap is not None:
             peer_tiers.append(peer.tier_tap.summary())
         result.engines += 1

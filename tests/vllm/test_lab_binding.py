@@ -151,3 +151,30 @@ def test_vllms_registration_runs_and_every_job_reaches_the_copy_engine_as_its_sp
     for job_id, side in seen.items():
         assert list(side.block_ids) == received[job_id].block_ids
         assert list(side.group_sizes) == received[job_id].group_sizes
+
+
+def test_the_lab_sets_only_the_settings_its_census_declares() -> None:
+    """``lab/knobs.py``'s ``LAB_KEYS`` is what the lab's engines really set: every
+    ``kv_connector_extra_config`` key of an engine built for the seed trace (and, where the
+    release has tiering, for an fs-tier trace) is declared there, and every declared key the
+    installed offload code reads is one it reads (the census, from the installed sources)."""
+    from kvguard.guards.hooking.vllm_source import installed_package_sources
+    from kvguard.lab.knobs import LAB_KEYS, extra_config_keys
+    from kvguard.lab.replay import tiering
+
+    from pathlib import Path
+
+    traces = [load_trace(TRACE)]
+    if tiering.unsupported_reason() is None:
+        traces.append(load_trace(str(Path(__file__).parent / "traces" / "tier-shared-swa-partial.jsonl")))
+    seen: set[str] = set()
+    for trace in traces:
+        engine = harness.build_engine(trace.geometry, trace.worker)
+        try:
+            extra = engine.scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config
+            seen |= set(extra)
+        finally:
+            harness.close_engine(engine)
+    assert seen and seen <= set(LAB_KEYS), seen - set(LAB_KEYS)
+    read = set(extra_config_keys(installed_package_sources()))
+    assert seen <= read, seen - read  # the lab sets nothing the release does not read

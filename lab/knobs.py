@@ -1,0 +1,115 @@
+"""The settings a release's offload code reads, and which of them the lab draws.
+
+An operator turns vLLM's offloading through ``--kv-transfer-config``'s
+``kv_connector_extra_config``; a guarantee the lab proves is only as wide as the settings
+its engines are built with. This module reads, from a release's own offload sources (the
+packages kvguard's scope rule reads: :data:`kvguard.guards.hooking.vllm_source._PACKAGE_DIRS`,
+worker side included, since a worker-side key can still change what the scheduler sees),
+every key the code reads out of that dictionary, with where it reads it; and names the
+keys the lab's engines set (:data:`LAB_KEYS`). No vLLM import: the census runs on an sdist
+(:mod:`kvguard.lab.release_matrix`) as on the installed package.
+
+What counts as a read (by the AST, never by a release number):
+
+- ``<x>.get("key", ...)``, ``<x>["key"]`` and ``"key" in <x>`` where ``<x>``'s source text
+  ends with ``extra_config`` (``self.extra_config``, ``config.extra_config``,
+  ``vllm_config.kv_transfer_config.kv_connector_extra_config``, a parameter named
+  ``extra_config``);
+- one level down: ``<y>.get("inner")`` where ``<y>`` is a local bound (once) from a read of
+  ``"outer"``: reported as ``outer.inner`` (0.34.0's ``backpressure`` object).
+
+Keys read through another name (a dictionary passed on under a new name, ``**`` unpacking)
+are not seen; the census is a lower bound, and :func:`extra_config_keys`' test plants one
+of each kind it does see.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+
+__all__ = ["LAB_KEYS", "extra_config_keys", "census"]
+
+#: The ``kv_connector_extra_config`` keys the lab's engines set, and from what
+#: (:func:`kvguard.lab.replay.vllm_api.build_scheduler`). Every other key the release reads
+#: keeps vLLM's default in every replay and fuzz example.
+LAB_KEYS: dict[str, str] = {
+    "cpu_bytes_to_use": "geometry.cpu_chunks (the CPU tier's size, drawn)",
+    "block_size": "geometry.tokens_per_chunk, one GPU block size (drawn)",
+    "blocks_per_chunk": "geometry.tokens_per_chunk, mixed GPU block sizes (drawn)",
+    "secondary_tiers": "geometry.secondary_tiers: example and fs tiers (drawn)",
+    "spec_name": "with geometry.secondary_tiers, vLLM's TieringOffloadingSpec (else vLLM's default spec)",
+}
+
+
+def _is_extra_config(node: ast.AST) -> bool:
+    text = ast.unparse(node)
+    return text.endswith("extra_config")
+
+
+def _key(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _reads(tree: ast.AST) -> Iterable[tuple[str, ast.AST, int]]:
+    """``(key, node read from, line)`` for every constant-key read of any mapping."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and _key(node.args[0]) is not None:
+            yield _key(node.args[0]), node.func.value, node.lineno  # type: ignore[misc]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _key(node.slice) is not None:
+            yield _key(node.slice), node.value, node.lineno  # type: ignore[misc]
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and _key(node.left) is not None:
+            yield _key(node.left), node.comparators[0], node.lineno  # type: ignore[misc]
+
+
+def _direct_read(value: ast.AST) -> str | None:
+    """The key of ``value`` when it is itself a read of an extra-config key, else None."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "get" \
+            and value.args and _is_extra_config(value.func.value):
+        return _key(value.args[0])
+    if isinstance(value, ast.Subscript) and _is_extra_config(value.value):
+        return _key(value.slice)
+    return None
+
+
+def _outer_locals(tree: ast.AST) -> dict[str, str]:
+    """``{local: outer key}`` for locals assigned once, from a read of an extra-config key."""
+    bound: dict[str, list[str | None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            bound.setdefault(node.targets[0].id, []).append(_direct_read(node.value))
+    return {name: keys[0] for name, keys in bound.items() if len(keys) == 1 and keys[0] is not None}
+
+
+def extra_config_keys(package_sources: dict[str, str]) -> dict[str, list[str]]:
+    """``{key: ["module:line", ...]}``: every ``kv_connector_extra_config`` key the given
+    sources read (``{module: source}``, e.g.
+    :func:`kvguard.guards.hooking.vllm_source.installed_package_sources`), nested keys as
+    ``outer.inner``. Sources that do not parse are skipped. Never raises for valid input."""
+    out: dict[str, set[str]] = {}
+    for module, source in package_sources.items():
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        nested = _outer_locals(tree)
+        for key, source_node, line in _reads(tree):
+            if _is_extra_config(source_node):
+                name = key
+            elif isinstance(source_node, ast.Name) and source_node.id in nested:
+                name = f"{nested[source_node.id]}.{key}"
+            else:
+                continue
+            out.setdefault(name, set()).add(f"{module}:{line}")
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def census(package_sources: dict[str, str]) -> list[dict[str, object]]:
+    """One row per key the sources read: ``key``, ``read_at`` (module:line list), ``drawn``
+    (the lab sets it: :data:`LAB_KEYS`) and ``how`` (what sets it, or None)."""
+    return [
+        {"key": key, "read_at": where, "drawn": key in LAB_KEYS, "how": LAB_KEYS.get(key)}
+        for key, where in extra_config_keys(package_sources).items()
+    ]

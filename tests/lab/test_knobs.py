@@ -1,0 +1,47 @@
+"""The settings census (lab/knobs.py): which ``kv_connector_extra_config`` keys a release's
+offload code reads, read from sources (light: synthetic sources, no vLLM)."""
+
+from __future__ import annotations
+
+from kvguard.lab.knobs import LAB_KEYS, census, extra_config_keys
+
+SOURCES = {
+    "vllm.v1.kv_offload.cpu.spec": (
+        "class CPUOffloadingSpec:\n"
+        "    def __init__(self, config):\n"
+        "        self.extra_config = config.extra_config\n"
+        "        self.policy = self.extra_config.get('eviction_policy', 'lru')\n"
+        "        size = self.extra_config['cpu_bytes_to_use']\n"
+        "        if 'lazy_offload' in self.extra_config:\n"
+        "            pass\n"
+        "        bp = self.extra_config.get('backpressure')\n"
+        "        limit = bp.get('max_inflight')\n"
+        "        other = {'x': 1}\n"
+        "        other.get('not_a_setting')\n"
+    ),
+    "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector": (
+        "def build(vllm_config):\n"
+        "    extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config\n"
+        "    return extra_config.get('lazy_offload', False)\n"
+    ),
+    "vllm.broken": "def (:\n",
+}
+
+
+def test_every_kind_of_read_is_found_with_its_place_and_nothing_else():
+    keys = extra_config_keys(SOURCES)
+    cpu = "vllm.v1.kv_offload.cpu.spec"
+    simple = "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
+    assert keys == {
+        "backpressure": [f"{cpu}:8"],
+        "backpressure.max_inflight": [f"{cpu}:9"],
+        "cpu_bytes_to_use": [f"{cpu}:5"],
+        "eviction_policy": [f"{cpu}:4"],
+        "lazy_offload": sorted([f"{cpu}:6", f"{simple}:3"]),
+    }
+
+
+def test_the_census_marks_what_the_lab_sets():
+    rows = {r["key"]: r for r in census(SOURCES)}
+    assert rows["cpu_bytes_to_use"]["drawn"] and rows["cpu_bytes_to_use"]["how"] == LAB_KEYS["cpu_bytes_to_use"]
+    assert not rows["eviction_policy"]["drawn"] and rows["eviction_policy"]["how"] is None
