@@ -263,7 +263,8 @@ def test_a_drawn_failure_follows_the_transfer_not_the_job_count() -> None:
     promotion fewer is issued. When the worker drew failures per job in submission order,
     that moved the one failure onto another request (the differential's false 'worse').
     Drawn per transfer (the request and its count of loads), every request the guarded run
-    fails is one vLLM alone fails too, and at least one is failed by both."""
+    fails is one vLLM alone fails too, and at least one is failed by both. (0.25.1 to 0.33.0
+    recompute after a failed load in this trace: no request fails on either side.)"""
     from guardtools_vllm import expressible
 
     trace = load_trace(str(Path(__file__).parent / "traces" / "fault-moved-by-tier-publish-034.jsonl"))
@@ -274,4 +275,6 @@ def test_a_drawn_failure_follows_the_transfer_not_the_job_count() -> None:
         out = _replay(trace, guard=guard)[1]
         assert out["wrong_kv_blocks"] == 0 and not out["stalled"]
         failed[guard] = {f["request_id"] for f in out["failed_requests"]}
-    assert failed[True] and failed[True] <= failed[False], failed
+    assert failed[True] <= failed[False], failed
+    if failed[False]:  # a release that fails a request on a failed load (0.34.0's policy)
+        assert failed[True] & failed[False], failed
