@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-__all__ = ["LAB_KEYS", "extra_config_keys", "census"]
+__all__ = ["LAB_KEYS", "OPERATOR_SETTINGS", "extra_config_keys", "census"]
 
 #: The ``kv_connector_extra_config`` keys the lab's engines set, and from what
 #: (:func:`kvguard.lab.replay.vllm_api.build_scheduler`). Every other key the release reads
@@ -39,6 +39,27 @@ LAB_KEYS: dict[str, str] = {
     "blocks_per_chunk": "geometry.tokens_per_chunk, mixed GPU block sizes (drawn)",
     "secondary_tiers": "geometry.secondary_tiers: example and fs tiers (drawn)",
     "spec_name": "with geometry.secondary_tiers, vLLM's TieringOffloadingSpec (else vLLM's default spec)",
+}
+
+
+#: The operator settings the fuzzer draws into ``geometry.extra_config``
+#: (:func:`kvguard.lab.fuzz.strategies.operator_settings`): key -> (the connector that reads
+#: it, what is drawn). Each is drawn only where the installed release's offload code reads
+#: the key (:func:`installed_reads`); every value is one vLLM documents for it.
+OPERATOR_SETTINGS: dict[str, tuple[str, str]] = {
+    "eviction_policy": ("OffloadingConnector",
+                        "every built-in CPU-tier cache policy name the release registers (lru, arc)"),
+    "store_threshold": ("OffloadingConnector",
+                        "0 (vLLM's default: store every chunk), 2 or 3 (store a chunk on its 2nd or "
+                        "3rd offer); with secondary tiers only where the tiering spec does not read "
+                        "the key (every release so far reads it there to refuse it)"),
+    "max_tracker_size": ("OffloadingConnector",
+                         "with store_threshold >= 2: 64,000 (vLLM's default) or 2, 8 or 32 entries "
+                         "(the offer counter's LRU table evicts)"),
+    "offload_prompt_only": ("OffloadingConnector", "true (vLLM's default) or false (decode blocks stored too)"),
+    "lazy_offload": ("SimpleCPUOffloadConnector",
+                     "false (vLLM's default: store as blocks are computed) or true (store blocks "
+                     "about to be evicted from the GPU free queue)"),
 }
 
 
@@ -106,10 +127,37 @@ def extra_config_keys(package_sources: dict[str, str]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
+def _how(key: str) -> str | None:
+    if key in LAB_KEYS:
+        return LAB_KEYS[key]
+    if key in OPERATOR_SETTINGS:
+        connector, what = OPERATOR_SETTINGS[key]
+        return f"drawn ({connector}): {what}"
+    return None
+
+
 def census(package_sources: dict[str, str]) -> list[dict[str, object]]:
     """One row per key the sources read: ``key``, ``read_at`` (module:line list), ``drawn``
-    (the lab sets it: :data:`LAB_KEYS`) and ``how`` (what sets it, or None)."""
+    (the lab sets it: :data:`LAB_KEYS`, or the fuzzer draws it: :data:`OPERATOR_SETTINGS`)
+    and ``how`` (what sets it, or None)."""
     return [
-        {"key": key, "read_at": where, "drawn": key in LAB_KEYS, "how": LAB_KEYS.get(key)}
+        {"key": key, "read_at": where, "drawn": _how(key) is not None, "how": _how(key)}
         for key, where in extra_config_keys(package_sources).items()
     ]
+
+
+_INSTALLED: dict[str, list[str]] | None = None
+
+
+def installed_reads() -> dict[str, list[str]]:
+    """:func:`extra_config_keys` of the installed vLLM's offload sources (cached per
+    process; ``{}`` without vLLM)."""
+    global _INSTALLED
+    if _INSTALLED is None:
+        from kvguard.guards.hooking.vllm_source import SourceError, installed_package_sources
+
+        try:
+            _INSTALLED = extra_config_keys(installed_package_sources())
+        except SourceError:  # no vLLM: it reads nothing
+            _INSTALLED = {}
+    return _INSTALLED

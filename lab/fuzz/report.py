@@ -95,6 +95,9 @@ def table(result: dict[str, Any]) -> str:
             f"  KV cache groups per example ({groups}); mixed block sizes {lay['mixed_block_sizes']}, "
             f"extra_retained_tokens {lay['extra_retained_tokens']}"
         )
+    if result.get("settings"):
+        lines.append("  operator settings per example: "
+                     + ", ".join(f"{k} {n}" for k, n in result["settings"].items()))
     if not result["classes"]:
         lines.append("  no findings")
     for c in result["classes"]:

@@ -25,6 +25,7 @@ not changed); kvguard's decisions are read by a tee on kvguard's metrics sink
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -371,6 +372,15 @@ def new_layout_counts() -> dict[str, Any]:
     return {"kv_cache_groups": {}, "mixed_block_sizes": 0, "extra_retained_tokens": 0}
 
 
+def count_settings(settings: dict[str, int], trace: Trace) -> None:
+    """Count one replayed example's operator settings into the report's ``settings``
+    (``"key=value"`` -> examples; ``geometry.extra_config``, drawn by
+    :func:`kvguard.lab.fuzz.strategies.operator_settings`)."""
+    for key, value in getattr(trace.geometry, "extra_config", None) or ():
+        name = f"{key}={json.dumps(value)}"
+        settings[name] = settings.get(name, 0) + 1
+
+
 def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
     """Count one replayed example's KV cache layout into the report's ``layouts``:
     ``kv_cache_groups`` (number of groups -> examples), ``mixed_block_sizes`` (examples
@@ -556,6 +566,7 @@ def fuzz(
     by_check: dict[str, dict[str, int]] = {}
     invalid_reasons: dict[str, int] = {}
     layouts = new_layout_counts()
+    settings: dict[str, int] = {}
     to_judge: list[tuple[int, Trace, ExampleOutcome, Any]] = []
 
     class _BudgetSpent(Exception):
@@ -586,6 +597,7 @@ def fuzz(
         totals["fs_tier_examples"] += int("fs" in (trace.geometry.secondary_tiers or ()))
         totals["shared_tier_examples"] += int(trace.engines > 1)
         count_layout(layouts, trace)
+        count_settings(settings, trace)
         totals["steps"] += outcome.steps
         totals["requests"] += outcome.submitted
         totals["checks_evaluated"] += outcome.checks_evaluated
@@ -736,6 +748,8 @@ def fuzz(
         **totals,
         "invalid_reasons": invalid_reasons,
         "layouts": layouts,
+        # operator settings drawn (geometry.extra_config): "key=value" -> examples
+        "settings": dict(sorted(settings.items())),
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "differential": (
             {"enabled": True, "verdicts": differential_counts, "price": price, "by_check": by_check,

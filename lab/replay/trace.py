@@ -77,6 +77,13 @@ at the connector's own boundary (:mod:`kvguard.lab.replay.simple_worker`); it ha
 secondary tier, and its worker reports no failed copy (a ``worker`` with ``fail_*`` faults
 is refused; latency and hung events are modelled).
 
+Optional geometry field ``extra_config`` (object, default none): operator settings, the
+further ``kv_connector_extra_config`` keys the engine is built with (``eviction_policy``,
+``store_threshold``, ``max_tracker_size``, ``offload_prompt_only``, ``lazy_offload``, as
+``kvguard fuzz`` draws them: :data:`kvguard.lab.knobs.OPERATOR_SETTINGS`), passed to vLLM as
+written, so vLLM's own checks judge them. Values are JSON scalars; a key the lab derives
+from the geometry (:data:`kvguard.lab.knobs.LAB_KEYS`) is refused.
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.lab.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -243,7 +250,12 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 #: engines a trace may run side by side over one fs tier (request field ``engine``)
 MAX_ENGINES = 4
 
-_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling", "connector")
+_OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling", "connector",
+                    "extra_config")
+
+#: JSON types an ``extra_config`` value may have (vLLM reads them with ``int()``, ``bool()``,
+#: ``str``): no list or object, which would be a setting the lab builds itself.
+_SETTING_TYPES = (bool, int, float, str)
 
 #: The ``kv_connector`` a trace may select (``geometry.connector``): vLLM's two native CPU
 #: offload connectors. The first is the default (``--kv-offloading-backend native``); the
@@ -275,6 +287,9 @@ class Geometry:
     async_scheduling: bool = False
     #: vLLM's ``kv_connector`` (one of :data:`CONNECTORS`)
     connector: str = "OffloadingConnector"
+    #: operator settings: further ``kv_connector_extra_config`` keys, as sorted
+    #: ``(key, value)`` pairs (``None``: vLLM's defaults); see the module docstring
+    extra_config: tuple[tuple[str, Any], ...] | None = None
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -301,6 +316,8 @@ class Geometry:
             out["async_scheduling"] = True
         if self.connector != CONNECTORS[0]:
             out["connector"] = self.connector
+        if self.extra_config is not None:
+            out["extra_config"] = dict(self.extra_config)
         return out
 
     @property
@@ -341,6 +358,24 @@ class Geometry:
                 validate_tiers([{"type": t} for t in self.secondary_tiers])
             except ValueError as exc:
                 raise TraceError(str(exc)) from None
+        if self.extra_config is not None:
+            _validate_extra_config(self.extra_config)
+
+
+def _validate_extra_config(pairs: tuple[tuple[str, Any], ...]) -> None:
+    """Raise :class:`TraceError` unless ``pairs`` are sorted unique ``(key, scalar)`` pairs
+    naming no key the lab sets from the geometry (:data:`kvguard.lab.knobs.LAB_KEYS`)."""
+    from kvguard.lab.knobs import LAB_KEYS
+
+    keys = [k for k, _ in pairs]
+    if keys != sorted(set(keys)):
+        raise TraceError(f"geometry.extra_config: keys must be unique and sorted, got {keys}")
+    for key, value in pairs:
+        if key in LAB_KEYS:
+            raise TraceError(f"geometry.extra_config.{key}: the lab sets it from the geometry "
+                             f"({LAB_KEYS[key]})")
+        if not isinstance(value, _SETTING_TYPES):
+            raise TraceError(f"geometry.extra_config.{key} must be a bool, number or string, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -565,6 +600,11 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
             geo["secondary_tiers"] = validate_tiers(geo["secondary_tiers"])
         except ValueError as exc:
             raise TraceError(f"{source}: {exc}") from None
+    if "extra_config" in geo:
+        settings = geo["extra_config"]
+        if not isinstance(settings, dict):
+            raise TraceError(f"{source}: geometry.extra_config must be an object")
+        geo["extra_config"] = tuple(sorted(settings.items()))
     try:
         geometry = Geometry(**geo)
     except TypeError as exc:

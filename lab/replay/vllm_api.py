@@ -529,6 +529,24 @@ CONNECTOR_SCHEDULER_ATTRS = {
 }
 
 
+def cache_policy_names() -> tuple[str, ...]:
+    """The CPU tier's built-in ``eviction_policy`` names, from the installed vLLM's own
+    registry: ``CachePolicyFactory``'s registered names (0.33.0 onwards:
+    ``vllm/v1/kv_offload/cpu/policies/factory.py``), else the manager's ``_CACHE_POLICIES``
+    table (0.21.0-0.29.0). ``()`` where neither exists (the key is then not drawn)."""
+    try:
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+        return tuple(CachePolicyFactory._registry)
+    except ImportError:
+        pass
+    try:
+        from vllm.v1.kv_offload.cpu import manager
+    except ImportError:
+        return ()
+    return tuple(getattr(manager, "_CACHE_POLICIES", {}))
+
+
 def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector",
                     tier_root: str | None = None) -> SchedulerParts:
     """Construct the real ``Scheduler`` + ``connector`` (scheduler role) for ``geometry``.
@@ -597,6 +615,9 @@ def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector",
     extra = {"cpu_bytes_to_use": cpu_bytes_to_use(geometry, page)}
     if connector == "OffloadingConnector":
         extra = {**chunk_size_config(geometry), **extra, **tier_config}
+    # The operator's settings last: vLLM judges them (trace validation refuses a key the
+    # lab derives from the geometry, so none overrides the sizing above).
+    extra.update(geometry.extra_config or ())
     kv_transfer_config = KVTransferConfig(
         kv_connector=connector,
         kv_role="kv_both",

@@ -3,7 +3,7 @@ offload code reads, read from sources (light: synthetic sources, no vLLM)."""
 
 from __future__ import annotations
 
-from kvguard.lab.knobs import LAB_KEYS, census, extra_config_keys
+from kvguard.lab.knobs import LAB_KEYS, OPERATOR_SETTINGS, census, extra_config_keys
 
 SOURCES = {
     "vllm.v1.kv_offload.cpu.spec": (
@@ -44,4 +44,18 @@ def test_every_kind_of_read_is_found_with_its_place_and_nothing_else():
 def test_the_census_marks_what_the_lab_sets():
     rows = {r["key"]: r for r in census(SOURCES)}
     assert rows["cpu_bytes_to_use"]["drawn"] and rows["cpu_bytes_to_use"]["how"] == LAB_KEYS["cpu_bytes_to_use"]
-    assert not rows["eviction_policy"]["drawn"] and rows["eviction_policy"]["how"] is None
+    assert rows["eviction_policy"]["drawn"] and rows["eviction_policy"]["how"].startswith("drawn (OffloadingConnector)")
+    assert not rows["backpressure"]["drawn"] and rows["backpressure"]["how"] is None
+
+
+def test_the_census_marks_what_the_fuzzer_draws_as_drawn_with_its_connector():
+    rows = {r["key"]: r for r in census(SOURCES)}
+    assert rows["lazy_offload"]["drawn"]
+    assert rows["lazy_offload"]["how"].startswith("drawn (SimpleCPUOffloadConnector): ")
+    assert not set(OPERATOR_SETTINGS) & set(LAB_KEYS)  # a key is the geometry's or the operator's
+
+
+def test_every_drawn_setting_names_a_connector_the_lab_runs():
+    from kvguard.lab.replay.trace import CONNECTORS
+
+    assert {connector for connector, _ in OPERATOR_SETTINGS.values()} <= set(CONNECTORS)

@@ -300,3 +300,28 @@ def test_engines_sharing_an_fs_tier_parse_and_round_trip() -> None:
 def test_a_request_engine_is_checked(lines, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         parse_trace(_lines(*lines))
+
+
+def test_operator_settings_parse_sorted_and_round_trip() -> None:
+    settings = {"store_threshold": 2, "eviction_policy": "arc", "offload_prompt_only": False}
+    geo = {**HEADER["geometry"], "extra_config": settings}
+    trace = parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))
+    assert trace.geometry.extra_config == (
+        ("eviction_policy", "arc"), ("offload_prompt_only", False), ("store_threshold", 2))
+    assert json.loads(trace.dumps().splitlines()[0])["geometry"]["extra_config"] == settings
+    assert parse_trace(trace.dumps().splitlines()) == trace
+    plain = parse_trace(_lines(HEADER, _req("a")))
+    assert plain.geometry.extra_config is None
+    assert "extra_config" not in json.loads(plain.dumps().splitlines()[0])["geometry"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"cpu_bytes_to_use": 1}, r"extra_config.cpu_bytes_to_use: the lab sets it from the geometry"),
+    ({"secondary_tiers": "fs"}, r"extra_config.secondary_tiers: the lab sets it"),
+    ({"backpressure": {"max": 1}}, r"extra_config.backpressure must be a bool, number or string"),
+    (["eviction_policy"], r"geometry.extra_config must be an object"),
+])
+def test_operator_settings_the_lab_owns_or_cannot_pass_are_refused(settings, message: str) -> None:
+    geo = {**HEADER["geometry"], "extra_config": settings}
+    with pytest.raises(TraceError, match=message):
+        parse_trace(_lines({**HEADER, "geometry": geo}, _req("a")))

@@ -154,17 +154,22 @@ def test_vllms_registration_runs_and_every_job_reaches_the_copy_engine_as_its_sp
 
 
 def test_the_lab_sets_only_the_settings_its_census_declares() -> None:
-    """``lab/knobs.py``'s ``LAB_KEYS`` is what the lab's engines really set: every
-    ``kv_connector_extra_config`` key of an engine built for the seed trace (and, where the
-    release has tiering, for an fs-tier trace) is declared there, and every declared key the
+    """``lab/knobs.py``'s ``LAB_KEYS`` and ``OPERATOR_SETTINGS`` are what the lab's engines
+    really set: every ``kv_connector_extra_config`` key of an engine built for the seed trace
+    (with and without operator settings, and, where the release has tiering, for an fs-tier
+    trace) is declared there, and every declared key the
     installed offload code reads is one it reads (the census, from the installed sources)."""
     from kvguard.guards.hooking.vllm_source import installed_package_sources
-    from kvguard.lab.knobs import LAB_KEYS, extra_config_keys
+    from kvguard.lab.knobs import LAB_KEYS, OPERATOR_SETTINGS, extra_config_keys
     from kvguard.lab.replay import tiering
 
     from pathlib import Path
 
-    traces = [load_trace(TRACE)]
+    base = load_trace(TRACE)
+    # an example with every operator setting the fuzzer can draw for the connector
+    settings = (("eviction_policy", "arc"), ("max_tracker_size", 8), ("offload_prompt_only", False),
+                ("store_threshold", 2))
+    traces = [base, dataclasses.replace(base, geometry=dataclasses.replace(base.geometry, extra_config=settings))]
     if tiering.unsupported_reason() is None:
         traces.append(load_trace(str(Path(__file__).parent / "traces" / "tier-shared-swa-partial.jsonl")))
     seen: set[str] = set()
@@ -175,6 +180,9 @@ def test_the_lab_sets_only_the_settings_its_census_declares() -> None:
             seen |= set(extra)
         finally:
             harness.close_engine(engine)
-    assert seen and seen <= set(LAB_KEYS), seen - set(LAB_KEYS)
+    declared = set(LAB_KEYS) | set(OPERATOR_SETTINGS)
+    assert seen and seen <= declared, seen - declared
     read = set(extra_config_keys(installed_package_sources()))
-    assert seen <= read, seen - read  # the lab sets nothing the release does not read
+    # the lab sets nothing the release does not read; the fuzzer draws an operator setting
+    # only where it is read (strategies.operator_settings), this test sets all four
+    assert seen - set(OPERATOR_SETTINGS) <= read, seen - read
