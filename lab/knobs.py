@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-__all__ = ["LAB_KEYS", "OPERATOR_SETTINGS", "extra_config_keys", "census"]
+__all__ = ["LAB_KEYS", "OPERATOR_SETTINGS", "NOT_DRAWN", "extra_config_keys", "census", "installed_reads"]
 
 #: The ``kv_connector_extra_config`` keys the lab's engines set, and from what
 #: (:func:`kvguard.lab.replay.vllm_api.build_scheduler`). Every other key the release reads
@@ -57,9 +57,83 @@ OPERATOR_SETTINGS: dict[str, tuple[str, str]] = {
                          "with store_threshold >= 2: 64,000 (vLLM's default) or 2, 8 or 32 entries "
                          "(the offer counter's LRU table evicts)"),
     "offload_prompt_only": ("OffloadingConnector", "true (vLLM's default) or false (decode blocks stored too)"),
+    "sync_load_budget_bytes": ("OffloadingConnector",
+                               "0 (vLLM's default: every load asynchronous), 1 MiB or 1 TiB per step "
+                               "(hits within the step's budget load synchronously, in the step)"),
     "lazy_offload": ("SimpleCPUOffloadConnector",
                      "false (vLLM's default: store as blocks are computed) or true (store blocks "
                      "about to be evicted from the GPU free queue)"),
+}
+
+
+#: Keys a release reads that the lab never sets, each with the line of vLLM's code it rests
+#: on (``module``, a fragment of that module's installed source, checked present by
+#: ``tests/vllm/test_operator_settings.py`` wherever the release reads the key) and why:
+#: ``cannot`` (it cannot change what the scheduler side decides for the engines the lab
+#: builds) or ``not yet`` (it can; what the lab lacks to draw it).
+NOT_DRAWN: dict[str, tuple[str, str, str, str]] = {
+    "spec_module_path": (
+        "vllm.v1.kv_offload.factory", 'spec_module_path = extra_config.get("spec_module_path")', "cannot",
+        "read only when spec_name names no registered spec: it imports an out-of-tree "
+        "OffloadingSpec, code that is not vLLM's"),
+    "cache_policy_module_path": (
+        "vllm.v1.kv_offload.cpu.spec", '"cache_policy_module_path"', "cannot",
+        "imports an out-of-tree CachePolicy when eviction_policy names no built-in one; the "
+        "built-in policies are drawn (eviction_policy)"),
+    "self_describing_kv_events": (
+        "vllm.v1.kv_offload.base", "OffloadingKVEventsConfig(", "cannot",
+        "what the KV events published to a router carry; read by the event builders and the "
+        "KV cache registry tier (kvcr, not run by the lab), never by a lookup or a store decision"),
+    "enable_telemetry": (
+        "vllm.v1.kv_offload.tiering.kvcr.manager", 'if not extra_config.get("enable_telemetry", False):',
+        "cannot", "metric definitions of the KV cache registry tier (kvcr), which the lab does not run"),
+    "tier_poll_interval_s": (
+        "vllm.v1.kv_offload.tiering.manager", "tier.tolerates_off_thread_polling", "cannot",
+        "the pause of the off-thread poll of tiers that set tolerates_off_thread_polling (p2p); "
+        "the example and fs tiers the lab runs are polled per step whatever its value"),
+    "backpressure": (
+        "vllm.v1.kv_offload.tiering.factory", 'bp_config = config.pop("backpressure", None)', "not yet",
+        "a secondary tier skips stores while a detector's wall-clock latency EMA is high "
+        "(EMABackpressureDetector, seconds); the lab's worker counts latency in steps, so a drawn "
+        "detector would make replays depend on the machine's clock"),
+    "canonical_layout": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
+        'canonical_layout = bool(extra_config.get("canonical_layout", False))', "not yet",
+        "a parallelism-agnostic page layout: file_mapper then names fs-tier files without the "
+        "rank layout, so engines of different tensor-parallel sizes share chunks; the lab runs "
+        "one rank"),
+    "cpu_bytes_to_use_per_rank": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        "cpu_capacity_per_rank = explicit", "cannot",
+        "replaces cpu_bytes_to_use // world_size; with the lab's one rank that is the CPU pool "
+        "size the lab already draws (geometry.cpu_chunks through cpu_bytes_to_use)"),
+    "num_cpu_blocks": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        'num_cpu_blocks = extra_config.get("num_cpu_blocks")', "cannot",
+        "sets the CPU pool's size in blocks instead of deriving it from the byte budget; the "
+        "pool size is drawn (geometry.cpu_chunks)"),
+    "cpu_hugepage_block_size": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        'extra_config.get("cpu_hugepage_block_size")', "cannot",
+        "how the host buffer is allocated (huge pages), below the copy engine the lab simulates"),
+    "kv_offload_backend": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        'disk_mode = kv_offload_backend == "disk"', "not yet",
+        "the simple connector's disk backend (and with it disk_path, disk_capacity_bytes, "
+        "disk_buffer_slots, use_page_cache): another pool and copy engine; the lab simulates "
+        "the CPU backend's copy engine only"),
+    "disk_path": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        'disk_path = extra_config.get("disk_path", None) or None', "not yet", "with kv_offload_backend"),
+    "disk_capacity_bytes": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        '"disk_capacity_bytes"', "not yet", "with kv_offload_backend"),
+    "disk_buffer_slots": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        '"disk_buffer_slots"', "not yet", "with kv_offload_backend"),
+    "use_page_cache": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        '"use_page_cache"', "not yet", "with kv_offload_backend"),
 }
 
 
@@ -138,10 +212,12 @@ def _how(key: str) -> str | None:
 
 def census(package_sources: dict[str, str]) -> list[dict[str, object]]:
     """One row per key the sources read: ``key``, ``read_at`` (module:line list), ``drawn``
-    (the lab sets it: :data:`LAB_KEYS`, or the fuzzer draws it: :data:`OPERATOR_SETTINGS`)
-    and ``how`` (what sets it, or None)."""
+    (the lab sets it: :data:`LAB_KEYS`, or the fuzzer draws it: :data:`OPERATOR_SETTINGS`),
+    ``how`` (what sets it, or None) and ``not_drawn`` (``"cannot: why"`` or
+    ``"not yet: why"`` from :data:`NOT_DRAWN`, or None)."""
     return [
-        {"key": key, "read_at": where, "drawn": _how(key) is not None, "how": _how(key)}
+        {"key": key, "read_at": where, "drawn": _how(key) is not None, "how": _how(key),
+         "not_drawn": None if key not in NOT_DRAWN else f"{NOT_DRAWN[key][2]}: {NOT_DRAWN[key][3]}"}
         for key, where in extra_config_keys(package_sources).items()
     ]
 

@@ -643,6 +643,8 @@ SETTINGS = "extra_config" in {f.name for f in dataclasses.fields(Geometry)}
 STORE_THRESHOLDS = (0, 2, 3)
 #: ``max_tracker_size`` values drawn with a threshold: vLLM's default and small tables.
 TRACKER_SIZES = (64_000, 2, 8, 32)
+#: ``sync_load_budget_bytes`` values drawn: off (vLLM's default), about one small hit, every hit.
+SYNC_LOAD_BUDGETS = (0, 1 << 20, 1 << 40)
 
 
 def _release_reads(key: str) -> bool:
@@ -682,6 +684,8 @@ def operator_settings(draw: st.DrawFn, geo: Geometry) -> tuple[tuple[str, object
             out["max_tracker_size"] = draw(st.sampled_from(TRACKER_SIZES))
     if applies("offload_prompt_only"):
         out["offload_prompt_only"] = draw(st.booleans())
+    if applies("sync_load_budget_bytes"):
+        out["sync_load_budget_bytes"] = draw(st.sampled_from(SYNC_LOAD_BUDGETS))
     if applies("lazy_offload"):
         out["lazy_offload"] = draw(st.booleans())
     return tuple(sorted(out.items()))

@@ -79,7 +79,8 @@ is refused; latency and hung events are modelled).
 
 Optional geometry field ``extra_config`` (object, default none): operator settings, the
 further ``kv_connector_extra_config`` keys the engine is built with (``eviction_policy``,
-``store_threshold``, ``max_tracker_size``, ``offload_prompt_only``, ``lazy_offload``, as
+``store_threshold``, ``max_tracker_size``, ``offload_prompt_only``, ``sync_load_budget_bytes``,
+``lazy_offload``, as
 ``kvguard fuzz`` draws them: :data:`kvguard.lab.knobs.OPERATOR_SETTINGS`), passed to vLLM as
 written, so vLLM's own checks judge them. Values are JSON scalars; a key the lab derives
 from the geometry (:data:`kvguard.lab.knobs.LAB_KEYS`) is refused.

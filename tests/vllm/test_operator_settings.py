@@ -11,6 +11,7 @@ does (``vllm/v1/kv_offload/cpu/manager.py``, ``.../offloading/scheduler.py``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -82,6 +83,32 @@ def test_offload_prompt_only_false_stores_the_decode_chunk_too() -> None:
         assert got == prompt_only
 
 
+def test_a_sync_load_budget_loads_the_hit_within_its_step() -> None:
+    """vLLM 0.33.0 onwards: a hit within the step's ``sync_load_budget_bytes`` is answered
+    ``load_kv_async=False`` and loaded in the step that schedules it, so r1 skips the
+    steps it waits for an asynchronous load (with a worker that takes up to 4 steps per
+    job); the same blocks are loaded, the same tokens come out."""
+    from kvguard.lab.replay.trace import WorkerModel
+
+    slow = WorkerModel.from_json({"load_latency_steps": {"min": 1, "max": 4},
+                                  "store_latency_steps": {"min": 0, "max": 4}, "seed": 7})
+
+    def run(settings):
+        trace = dataclasses.replace(_trace(settings), worker=slow)
+        result = harness.run_replay(trace, guard=True)
+        out = report.to_json(result, trace.geometry)
+        assert out["requests"]["finished"] == 3 and out["wrong_kv_blocks"] == 0
+        return out["steps"], out["worker"]["kv_oracle"]["loaded_blocks"], result.outputs
+
+    steps, loaded, tokens = run(None)
+    got_steps, got_loaded, got_tokens = run({"sync_load_budget_bytes": 1 << 40})
+    assert got_loaded == loaded > 0 and got_tokens == tokens
+    if _reads("sync_load_budget_bytes"):
+        assert got_steps < steps
+    else:
+        assert got_steps == steps
+
+
 def test_lazy_offload_stores_from_the_gpu_free_queue_instead() -> None:
     """The SimpleCPUOffloadConnector's lazy mode stores blocks as they near eviction from
     the GPU free queue, not as they are computed: a different store plan, the same tokens."""
@@ -126,3 +153,21 @@ def test_eviction_policy_builds_the_named_cache_policy() -> None:
     assert len({next(iter(c)) for c in built.values()}) == len(names), built  # one class per name
     _run(_trace({"eviction_policy": names[-1]}))
 
+
+
+def test_every_key_read_is_drawn_or_explained_by_a_line_of_this_release() -> None:
+    """Each key the installed offload code reads is set by the lab, drawn by the fuzzer, or
+    in ``NOT_DRAWN`` with a fragment of the module it cites, present in this release."""
+    from kvguard.guards.hooking.vllm_source import installed_package_sources
+    from kvguard.lab.knobs import LAB_KEYS, NOT_DRAWN, OPERATOR_SETTINGS
+
+    sources = installed_package_sources()
+    for key, where in installed_reads().items():
+        if key in LAB_KEYS or key in OPERATOR_SETTINGS:
+            continue
+        outer = key.split(".", 1)[0]
+        assert outer in NOT_DRAWN, f"{key} (read at {where}) is neither drawn nor explained"
+        module, fragment, verdict, _ = NOT_DRAWN[outer]
+        assert verdict in ("cannot", "not yet")
+        if module in sources:  # a release that reads the key elsewhere cites its own line
+            assert fragment in sources[module], f"{key}: {module} no longer has {fragment!r}"
