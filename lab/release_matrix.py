@@ -67,9 +67,12 @@ class ReleaseRow:
     worker_side_by_import: list[str] = field(default_factory=list)
     in_scope_by_connector: dict[str, int] = field(default_factory=dict)
     #: every ``kv_connector_extra_config`` key the release's offload code reads
-    #: (:func:`kvguard.lab.knobs.extra_config_keys`), and those the lab's engines set
+    #: (:func:`kvguard.lab.knobs.extra_config_keys`), those the lab's engines set or the
+    #: fuzzer draws, and for the others the verdict of :data:`kvguard.lab.knobs.NOT_DRAWN`
+    #: (``cannot`` / ``not yet``; ``unexplained`` for a key it does not list)
     config_keys: list[str] = field(default_factory=list)
     config_keys_drawn: list[str] = field(default_factory=list)
+    config_keys_not_drawn: dict[str, str] = field(default_factory=dict)
 
 
 def _count_asserts(node: ast.AST) -> int:
@@ -116,7 +119,12 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
     row.special_missing = sorted(missing)
     row.window_bound, row.window_expr = asserted_window_bound(sources, *SEED_GEOMETRY)
     row.config_keys = list(knobs.extra_config_keys(package_sources))
-    row.config_keys_drawn = [k for k in row.config_keys if k in knobs.LAB_KEYS]
+    drawn = set(knobs.LAB_KEYS) | set(knobs.OPERATOR_SETTINGS)
+    row.config_keys_drawn = [k for k in row.config_keys if k in drawn]
+    row.config_keys_not_drawn = {
+        k: knobs.NOT_DRAWN[k.split(".", 1)[0]][2] if k.split(".", 1)[0] in knobs.NOT_DRAWN else "unexplained"
+        for k in row.config_keys if k not in drawn
+    }
     return row
 
 
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(row)))
         return 0
     print("| vLLM | asserts in scope | of which SimpleCPUOffloadConnector | rewritten | special sites matched "
-          "| window bound (4096/32/256) | worker-side by import | extra-config keys read (the lab sets) |")
+          "| window bound (4096/32/256) | worker-side by import | extra-config keys read (set or drawn by the lab) |")
     print("|---|---:|---:|---:|---|---:|---|---:|")
     for r in rows:
         specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)

@@ -81,6 +81,10 @@ def test_release(version):
     assert sum(row.in_scope_by_connector.values()) == row.in_scope
     assert row.special_expected == ["group_sizes", "store_drop", "store_keys", "swa_pending_bound"]
     assert row.special_missing == []
+    # every setting the release reads is set or drawn by the lab, or explained (lab/knobs.py)
+    assert row.config_keys_drawn and "cpu_bytes_to_use" in row.config_keys_drawn
+    assert sorted(row.config_keys_drawn + list(row.config_keys_not_drawn)) == row.config_keys
+    assert "unexplained" not in row.config_keys_not_drawn.values(), row.config_keys_not_drawn
 
     # the scope rule's by-import part, checked against the importers read from the sources:
     # each module it takes out has importers, all worker-side; no in-scope module imports one
