@@ -277,6 +277,68 @@ def _names_in(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
+#: The last line of a release the method never makes itself: past every line of any
+#: method (a release needed by every assert after its hold).
+NEVER_RELEASED = 1 << 30
+
+_Parents = dict[int, list[tuple[list[ast.stmt], int]]]
+
+
+def _hold_release(call: ast.Call, parents: _Parents) -> tuple[int, int, str] | None | bool:
+    """What a hold call (:data:`LOAD_HOLD_CALLS`) means for the scope: ``None`` when the
+    method gives it back itself in the same statement list (no hold), a release
+    ``(line, NEVER_RELEASED, expr)`` for a top-level hold with a :data:`HOLD_RELEASES`
+    inverse, ``False`` when it ends the scope."""
+    inverse = HOLD_RELEASES.get(call.func.attr)  # type: ignore[attr-defined]
+    chain = parents.get(id(call), [])
+    if inverse is None or len(call.args) != 1 or call.keywords or not chain:
+        return False
+    stmts, i = chain[-1]
+    arg = _names_in(call.args[0])
+    obj = ast.unparse(call.func.value)  # type: ignore[attr-defined]
+    for st in stmts[i + 1:]:
+        for n in _own_walk(st):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == inverse \
+                    and ast.unparse(n.func.value) == obj \
+                    and arg and arg <= set().union(*(_names_in(x) for x in n.args)):
+                return None  # the method gives it back itself, in the same block
+    if len(chain) != 1:
+        return False  # a hold in a branch: whether it ran is not known here
+    return (call.lineno, NEVER_RELEASED, f"{obj}.{inverse}({ast.unparse(call.args[0])})")
+
+
+def _pop_scope(func: ast.AST, own: list[ast.AST], pop: ast.Call,
+               parents: _Parents) -> tuple[str, int, int, str]:
+    """What a popped per-request entry (:func:`_takes_state`) means for the scope, as
+    ``(kind, first, last, expr)``: ``("end", line, line, "")`` ends it at ``line``;
+    ``("release", pop line, first straight release line, expr)`` needs the method's own
+    release ``expr`` in between; ``("gap", pop line, last read, "")`` is not scoped in
+    between. The rules are :func:`_request_scope`'s."""
+    name = _bound_name(func, pop)
+    if name is None:
+        return ("end", pop.lineno, pop.lineno, "")
+    calls = [n for n in own if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+             and len(n.args) == 1 and not n.keywords
+             and isinstance(n.args[0], ast.Name) and n.args[0].id == name and n.lineno > pop.lineno]
+    # the release: a method the code calls on the entry where it gives up (a branch
+    # that returns or raises); any other call on it is a use
+    given_up = {c.func.attr for c in calls if _exits(parents.get(id(c), []))}  # type: ignore[attr-defined]
+    calls = [c for c in calls if c.func.attr in given_up]  # type: ignore[attr-defined]
+    if len(given_up) == 1:
+        straight = [c for c in calls if len(parents.get(id(c), [])) == 1]
+        other = [c for c in calls if len(parents.get(id(c), [])) != 1 and not _exits(parents.get(id(c), []))]
+        if other:
+            first_other = min(c.lineno for c in other)
+            return ("end", first_other, first_other, "")
+        first = min((c.lineno for c in straight), default=NEVER_RELEASED)
+        return ("release", pop.lineno, first, f"self.{calls[0].func.attr}({name})")  # type: ignore[attr-defined]
+    if given_up:  # two ways to give it up: which one applies is not read here
+        return ("end", pop.lineno, pop.lineno, "")
+    reads = [n.lineno for n in own if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+    return ("gap", pop.lineno, max([pop.lineno, *reads]), "")
+
+
 def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope | None:
     """The :class:`RequestScope` of ``func`` when it is request-scoped (takes ``request``,
     returns nothing, takes hold of blocks for a load, not in a loop), else None.
@@ -318,54 +380,19 @@ def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope
     gaps: list[tuple[int, int]] = []
     releases: list[tuple[int, int, str]] = []
     for call in sorted(holds, key=lambda c: c.lineno):
-        inverse = HOLD_RELEASES.get(call.func.attr)  # type: ignore[union-attr]
-        chain = parents.get(id(call), [])
-        if inverse is None or len(call.args) != 1 or call.keywords or not chain:
+        release = _hold_release(call, parents)
+        if release is False:
             ends.append(call.lineno)
-            continue
-        stmts, i = chain[-1]
-        arg = _names_in(call.args[0])
-        given_back = [
-            st.lineno for st in stmts[i + 1:]
-            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == inverse
-                   and ast.unparse(n.func.value) == ast.unparse(call.func.value)  # type: ignore[union-attr]
-                   and arg and arg <= set().union(*(_names_in(x) for x in n.args))
-                   for n in _own_walk(st))
-        ]
-        if given_back:
-            continue  # the method gives it back itself, in the same block
-        if len(chain) != 1:
-            ends.append(call.lineno)  # a hold in a branch: whether it ran is not known here
-            continue
-        obj = ast.unparse(call.func.value)  # type: ignore[union-attr]
-        releases.append((call.lineno, 1 << 30, f"{obj}.{inverse}({ast.unparse(call.args[0])})"))
+        elif release is not None:
+            releases.append(release)  # type: ignore[arg-type]
     for pop in (n for n in own if _takes_state(n)):
-        name = _bound_name(func, pop)
-        if name is None:
-            ends.append(pop.lineno)
-            continue
-        calls = [n for n in own if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
-                 and len(n.args) == 1 and not n.keywords
-                 and isinstance(n.args[0], ast.Name) and n.args[0].id == name and n.lineno > pop.lineno]
-        # the release: a method the code calls on the entry where it gives up (a branch
-        # that returns or raises); any other call on it is a use
-        given_up = {c.func.attr for c in calls if _exits(parents.get(id(c), []))}  # type: ignore[union-attr]
-        calls = [c for c in calls if c.func.attr in given_up]  # type: ignore[union-attr]
-        if len(given_up) == 1:
-            straight = [c for c in calls if len(parents.get(id(c), [])) == 1]
-            other = [c for c in calls if len(parents.get(id(c), [])) != 1 and not _exits(parents.get(id(c), []))]
-            if other:
-                ends.append(min(c.lineno for c in other))
-                continue
-            first = min((c.lineno for c in straight), default=1 << 30)
-            releases.append((pop.lineno, first, f"self.{calls[0].func.attr}({name})"))  # type: ignore[union-attr]
-            continue
-        if given_up:  # two ways to give it up: which one applies is not read here
-            ends.append(pop.lineno)
-            continue
-        reads = [n.lineno for n in own if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
-        gaps.append((pop.lineno, max([pop.lineno, *reads])))
+        kind, first, last, expr = _pop_scope(func, own, pop, parents)
+        if kind == "end":
+            ends.append(first)
+        elif kind == "release":
+            releases.append((first, last, expr))
+        else:
+            gaps.append((first, last))
     end = min(ends, default=max(n.lineno for n in own if hasattr(n, "lineno")) + 1)
     # a release that the method itself runs past ``end`` changes nothing before it
     return RequestScope(end, tuple(sorted(gaps)), tuple(sorted(releases)))
