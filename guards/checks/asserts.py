@@ -454,19 +454,10 @@ def check_store(site_id: str, spec: Any, context: dict[str, Any]) -> BaseExcepti
             action, exc = names.ACTION_RAISED, AssertionError("store coverage: " + "; ".join(problems))
         else:
             action, exc = names.ACTION_CONTINUED, None
-        site = _SITE_RT.get(site_id)
-        if site is not None:
-            counts.count_violation(site.site_id, names.CHECK_STORE_COVERAGE, action)
-        counts.events.check_failed(
-            site=site_id,
-            check=names.CHECK_STORE_COVERAGE,
-            policy=policy,
-            action=action,
-            vllm_version=runtime.vllm_version(),
-            request_id=_request_id(context),
+        runtime.report_violation(
+            site_id, names.CHECK_STORE_COVERAGE, action, policy=policy, context={},
+            message="; ".join(problems), request_id=_request_id(context),
             blocks_per_chunk=_blocks_per_chunk(context),
-            context={},
-            message="; ".join(problems),
         )
         return exc
     except Exception as error:  # guard code must never take the engine down
