@@ -28,7 +28,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-__all__ = ["LAB_KEYS", "OPERATOR_SETTINGS", "NOT_DRAWN", "extra_config_keys", "census", "installed_reads"]
+__all__ = ["LAB_KEYS", "OPERATOR_SETTINGS", "NOT_DRAWN", "LAB_SPEC_KINDS", "extra_config_keys", "census",
+           "installed_reads", "kv_cache_spec_kinds", "speculative_reads"]
 
 #: The ``kv_connector_extra_config`` keys the lab's engines set, and from what
 #: (:func:`kvguard.lab.replay.vllm_api.build_scheduler`). Every other key the release reads
@@ -237,3 +238,54 @@ def installed_reads() -> dict[str, list[str]]:
         except SourceError:  # no vLLM: it reads nothing
             _INSTALLED = {}
     return _INSTALLED
+
+
+#: The KV cache spec kinds the lab's engines are built with
+#: (:func:`kvguard.lab.replay.vllm_api.make_kv_cache_config`: one group per spec).
+LAB_SPEC_KINDS: frozenset[str] = frozenset({"FullAttentionSpec", "SlidingWindowSpec"})
+
+#: Names ``vllm.v1.kv_cache_interface`` exports that end in ``Spec`` and are not a kind of
+#: layer: the base classes and the group wrapper.
+_NOT_KINDS = frozenset({"KVCacheSpec", "AttentionSpec", "KVCacheGroupSpec"})
+
+
+def kv_cache_spec_kinds(package_sources: dict[str, str]) -> list[str]:
+    """The KV cache spec kinds the offload code handles: every ``...Spec`` class it imports
+    from ``vllm.v1.kv_cache_interface`` (``from vllm.v1.kv_cache_interface import
+    MambaSpec``), base classes left out; sorted. Compare :data:`LAB_SPEC_KINDS`."""
+    kinds: set[str] = set()
+    for source in package_sources.values():
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "vllm.v1.kv_cache_interface":
+                kinds |= {a.name for a in node.names if a.name.endswith("Spec") and a.name not in _NOT_KINDS}
+    return sorted(kinds)
+
+
+def speculative_reads(package_sources: dict[str, str]) -> dict[str, list[str]]:
+    """``{attribute: ["module:line", ...]}``: what the offload code reads off vLLM's
+    ``speculative_config`` (an expression ending in ``speculative_config``, or a local bound
+    once from one), the switches by which speculative decoding reaches the offload path
+    (0.34.0: ``use_eagle_block_drop``)."""
+    out: dict[str, set[str]] = {}
+    for module, source in package_sources.items():
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        bound: dict[str, int] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and ast.unparse(node.value).endswith("speculative_config"):
+                bound[node.targets[0].id] = bound.get(node.targets[0].id, 0) + 1
+        names = {n for n, count in bound.items() if count == 1}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and (
+                ast.unparse(node.value).endswith("speculative_config")
+                or (isinstance(node.value, ast.Name) and node.value.id in names)
+            ):
+                out.setdefault(node.attr, set()).add(f"{module}:{node.lineno}")
+    return {k: sorted(v) for k, v in sorted(out.items())}

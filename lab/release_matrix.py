@@ -73,6 +73,10 @@ class ReleaseRow:
     config_keys: list[str] = field(default_factory=list)
     config_keys_drawn: list[str] = field(default_factory=list)
     config_keys_not_drawn: dict[str, str] = field(default_factory=dict)
+    #: the KV cache spec kinds the offload code handles (:func:`kvguard.lab.knobs.kv_cache_spec_kinds`)
+    #: and what it reads off the speculative config (:func:`kvguard.lab.knobs.speculative_reads`)
+    kv_cache_spec_kinds: list[str] = field(default_factory=list)
+    speculative_reads: list[str] = field(default_factory=list)
 
 
 def _count_asserts(node: ast.AST) -> int:
@@ -125,6 +129,8 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
         k: knobs.NOT_DRAWN[k.split(".", 1)[0]][2] if k.split(".", 1)[0] in knobs.NOT_DRAWN else "unexplained"
         for k in row.config_keys if k not in drawn
     }
+    row.kv_cache_spec_kinds = knobs.kv_cache_spec_kinds(package_sources)
+    row.speculative_reads = list(knobs.speculative_reads(package_sources))
     return row
 
 

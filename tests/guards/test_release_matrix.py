@@ -85,6 +85,11 @@ def test_release(version):
     assert row.config_keys_drawn and "cpu_bytes_to_use" in row.config_keys_drawn
     assert sorted(row.config_keys_drawn + list(row.config_keys_not_drawn)) == row.config_keys
     assert "unexplained" not in row.config_keys_not_drawn.values(), row.config_keys_not_drawn
+    # the KV cache spec kinds the lab builds are among those the release's offload code handles
+    from kvguard.lab.knobs import LAB_SPEC_KINDS
+
+    assert LAB_SPEC_KINDS <= set(row.kv_cache_spec_kinds), row.kv_cache_spec_kinds
+    print(f"{version}: spec kinds {row.kv_cache_spec_kinds}, speculative reads {row.speculative_reads}")
 
     # the scope rule's by-import part, checked against the importers read from the sources:
     # each module it takes out has importers, all worker-side; no in-scope module imports one

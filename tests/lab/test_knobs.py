@@ -3,7 +3,14 @@ offload code reads, read from sources (light: synthetic sources, no vLLM)."""
 
 from __future__ import annotations
 
-from kvguard.lab.knobs import LAB_KEYS, OPERATOR_SETTINGS, census, extra_config_keys
+from kvguard.lab.knobs import (
+    LAB_KEYS,
+    OPERATOR_SETTINGS,
+    census,
+    extra_config_keys,
+    kv_cache_spec_kinds,
+    speculative_reads,
+)
 
 SOURCES = {
     "vllm.v1.kv_offload.cpu.spec": (
@@ -59,3 +66,23 @@ def test_every_drawn_setting_names_a_connector_the_lab_runs():
     from kvguard.lab.replay.trace import CONNECTORS
 
     assert {connector for connector, _ in OPERATOR_SETTINGS.values()} <= set(CONNECTORS)
+
+
+SPEC_SOURCES = {
+    "vllm.x.scheduler": (
+        "from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec, KVCacheGroupSpec\n"
+        "from vllm.other import FakeSpec\n"
+        "def f(vllm_config):\n"
+        "    spec_config = vllm_config.speculative_config\n"
+        "    a = spec_config is not None and spec_config.use_eagle()\n"
+        "    return vllm_config.speculative_config.num_speculative_tokens\n"
+    ),
+}
+
+
+def test_the_spec_kinds_are_the_imported_layer_kinds_and_the_speculative_reads_their_attributes():
+    assert kv_cache_spec_kinds(SPEC_SOURCES) == ["MambaSpec", "SlidingWindowSpec"]
+    assert speculative_reads(SPEC_SOURCES) == {
+        "num_speculative_tokens": ["vllm.x.scheduler:6"],
+        "use_eagle": ["vllm.x.scheduler:5"],
+    }
