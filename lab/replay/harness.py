@@ -775,8 +775,13 @@ class _Replay:
         requests waiting for it will never arrive."""
         result = self.result
         done_now = [rid for rid, req in self.live.items() if req.is_finished()]
+        oracle = getattr(self.engine.worker, "oracle", None)
         for rid in done_now:
             req = self.live.pop(rid)
+            if oracle is not None:
+                # its token codes are a cache for the forwards of a live request (a long life
+                # kept every request's: about 1 KiB each, issue 42's hour-long runs)
+                oracle.forget(rid)
             if vllm_api.finished_with_error(req):
                 self.failed_ids.add(rid)
                 result.failed_requests.append({"request_id": rid, "error": _failure_error(req)})
