@@ -50,6 +50,10 @@ class Site:
     #: locals, last hold first) that give back what it holds at the assert, run before the
     #: request fails (:class:`kvguard.guards.hooking.discovery.RequestScope`)
     releases: tuple[str, ...] = ()
+    #: generic asserts that are not request-scoped: why one request cannot be blamed
+    #: (:func:`kvguard.guards.hooking.discovery.scope_refusal`); guarded, such an assert
+    #: re-raises (vLLM's crash, counted). None for every other site.
+    unscoped_reason: str | None = None
 
 
 # --- the process-wide registry of discovered sites (metrics validate labels with it) -----

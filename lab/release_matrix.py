@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
+from kvguard.guards import names
 from kvguard.guards.hooking.rewrite import SiteSpec, find_function, rewrite_function
 from kvguard.lab import knobs
 from kvguard.guards.hooking.sites import (
@@ -77,10 +78,33 @@ class ReleaseRow:
     #: and what it reads off the speculative config (:func:`kvguard.lab.knobs.speculative_reads`)
     kv_cache_spec_kinds: list[str] = field(default_factory=list)
     speculative_reads: list[str] = field(default_factory=list)
+    #: per connector: generic asserts a guard fails one request alone for
+    #: (``request_scoped``), and those it re-raises, by why no request can be blamed
+    #: (:func:`kvguard.guards.hooking.discovery.scope_refusal`)
+    request_scoped_by_connector: dict[str, int] = field(default_factory=dict)
+    reraise_by_connector: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _count_asserts(node: ast.AST) -> int:
     return sum(isinstance(n, ast.Assert) for n in ast.walk(node))
+
+
+#: The ``check`` labels of generic asserts (vLLM's own asserts, no special handling).
+GENERIC_CHECKS = frozenset({names.CHECK_SCHEDULER_ASSERT, names.CHECK_OFFLOAD_MANAGER_ASSERT,
+                            names.CHECK_OFFLOAD_SPEC_ASSERT})
+
+
+def _count_scopes(row: ReleaseRow, connector: str, sites: list) -> None:
+    """Add one module's generic assert sites to the row's per-connector scope counts."""
+    for site in sites:
+        if site.kind != names.KIND_ASSERT or site.check not in GENERIC_CHECKS:
+            continue
+        if site.request_scoped:
+            row.request_scoped_by_connector[connector] = row.request_scoped_by_connector.get(connector, 0) + 1
+        else:
+            reasons = row.reraise_by_connector.setdefault(connector, {})
+            reason = site.unscoped_reason or "unknown"
+            reasons[reason] = reasons.get(reason, 0) + 1
 
 
 def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
@@ -99,6 +123,7 @@ def release_row(version: str, package_sources: dict[str, str]) -> ReleaseRow:
         found = discover(module, tree, worker_side)
         expected |= found.expected_special
         missing |= set(found.special_missing)
+        _count_scopes(row, connector_of(module), found.sites)
         by_qualname: dict[str, list] = {}
         for site in found.sites:
             by_qualname.setdefault(site.qualname, []).append(site)
@@ -145,16 +170,20 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(row)))
         return 0
     print("| vLLM | asserts in scope | of which SimpleCPUOffloadConnector | rewritten | special sites matched "
-          "| window bound (4096/32/256) | worker-side by import | extra-config keys read (set or drawn by the lab) |")
-    print("|---|---:|---:|---:|---|---:|---|---:|")
+          "| window bound (4096/32/256) | worker-side by import | extra-config keys read (set or drawn by the lab) "
+          "| generic asserts failing one request / re-raised |")
+    print("|---|---:|---:|---:|---|---:|---|---:|---|")
     for r in rows:
         specials = ", ".join(k for k in (SPECIAL_WINDOW, SPECIAL_GROUP_SIZES, SPECIAL_STORE_DROP)
                              if k in r.special_expected and k not in r.special_missing)
         by_import = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m in r.worker_side_by_import) or "-"
         simple = r.in_scope_by_connector.get(CONNECTOR_SIMPLE, 0)
         keys = f"{len(r.config_keys)} ({len(r.config_keys_drawn)})"
+        scopes = ", ".join(
+            f"{c}: {r.request_scoped_by_connector.get(c, 0)} / {sum(r.reraise_by_connector.get(c, {}).values())}"
+            for c in sorted(set(r.request_scoped_by_connector) | set(r.reraise_by_connector)))
         print(f"| {r.version} | {r.in_scope} | {simple} | {r.rewritten} | {specials} | {r.window_bound} | {by_import} "
-              f"| {keys} |")
+              f"| {keys} | {scopes} |")
     return 0
 
 

@@ -339,6 +339,43 @@ def _pop_scope(func: ast.AST, own: list[ast.AST], pop: ast.Call,
     return ("gap", pop.lineno, max([pop.lineno, *reads]), "")
 
 
+#: Why an assert is not request-scoped (:func:`scope_refusal`), the reasons the release
+#: matrix counts per connector.
+REFUSE_NOT_SCHEDULER = "not a scheduler method"
+REFUSE_NO_REQUEST = "no request parameter"
+REFUSE_GENERATOR = "a generator or coroutine"
+REFUSE_RETURNS = "returns a value to vLLM"
+REFUSE_LOAD_IN_LOOP = "issues loads in a loop"
+REFUSE_NO_HOLD = "takes no hold for a load"
+REFUSE_AFTER_HOLD = "after a hold it has no release for"
+REFUSE_ENTRY_IN_USE = "while a popped per-request entry is in use"
+
+
+def scope_refusal(func: ast.FunctionDef | ast.AsyncFunctionDef, owner: str, line: int) -> str | None:
+    """Why a generic assert at ``line`` of ``func`` (a method of class ``owner``) cannot
+    fail one request alone (one of the ``REFUSE_*`` texts), or None when it can (it is
+    request-scoped: :func:`_request_scope`). The conditions are :func:`_request_scope`'s,
+    in its order."""
+    if not owner.endswith("Scheduler"):
+        return REFUSE_NOT_SCHEDULER
+    a = func.args
+    if not any(arg.arg == "request" for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]):
+        return REFUSE_NO_REQUEST
+    own = list(_own_walk(func))
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await)) for n in own):
+        return REFUSE_GENERATOR
+    if any(isinstance(n, ast.Return) and n.value is not None for n in own):
+        return REFUSE_RETURNS
+    if any(_calls_attr(loop, name) for loop in _outer_loops(func) for name in LOAD_HOLD_CALLS):
+        return REFUSE_LOAD_IN_LOOP
+    scope = _request_scope(func)
+    if scope is None:
+        return REFUSE_NO_HOLD
+    if scope.releases_at(line) is not None:
+        return None
+    return REFUSE_AFTER_HOLD if line >= scope.end else REFUSE_ENTRY_IN_USE
+
+
 def _request_scope(func: ast.FunctionDef | ast.AsyncFunctionDef) -> RequestScope | None:
     """The :class:`RequestScope` of ``func`` when it is request-scoped (takes ``request``,
     returns nothing, takes hold of blocks for a load, not in a loop), else None.
@@ -473,7 +510,8 @@ def discover(module: str, tree: ast.Module, worker_side: Collection[str] = froze
                 scoped = scoped or in_scope_of_request
                 site = Site(f"{short}:{qualname}:{fingerprint_id(fp)}", module, qualname, KIND_ASSERT,
                             generic_check, fp, node.lineno, request_scoped=in_scope_of_request,
-                            releases=to_release or ())
+                            releases=to_release or (),
+                            unscoped_reason=None if in_scope_of_request else scope_refusal(func, owner, node.lineno))
             if site.site_id not in {s.site_id for s in result.sites}:
                 result.sites.append(site)
         if scoped:

@@ -85,6 +85,12 @@ def test_release(version):
     assert row.config_keys_drawn and "cpu_bytes_to_use" in row.config_keys_drawn
     assert sorted(row.config_keys_drawn + list(row.config_keys_not_drawn)) == row.config_keys
     assert "unexplained" not in row.config_keys_not_drawn.values(), row.config_keys_not_drawn
+    # every generic assert is request-scoped or re-raised with a reason (discovery.scope_refusal);
+    # on every release the simple connector's update_state_after_alloc asserts are scoped
+    reasons = {r for by in row.reraise_by_connector.values() for r in by}
+    assert reasons and "unknown" not in reasons, row.reraise_by_connector
+    assert row.request_scoped_by_connector.get("SimpleCPUOffloadConnector", 0) > 0
+    print(f"{version}: request-scoped {row.request_scoped_by_connector}, re-raised {row.reraise_by_connector}")
     # the KV cache spec kinds the lab builds are among those the release's offload code handles
     from kvguard.lab.knobs import LAB_SPEC_KINDS
 

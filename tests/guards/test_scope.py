@@ -393,3 +393,26 @@ def test_a_popped_entry_with_no_release_is_the_methods_until_its_last_read():
     assert set(_scoped(unbound).values()) == {None}
     assert not [s for s in sites.discover(f"{SIMPLE}.manager", ast.parse(unbound)).sites
                 if s.kind == sites.KIND_REQUEST_SCOPE]
+
+
+def _refusals(source: str, module: str = f"{SIMPLE}.manager") -> dict[str, str | None]:
+    """assert text -> why it cannot fail one request (None: request-scoped)."""
+    found = sites.discover(module, ast.parse(source))
+    return {s.fingerprint: s.unscoped_reason for s in found.sites if s.kind == "assert"}
+
+
+def test_every_unscoped_assert_says_why_no_request_can_be_blamed():
+    from kvguard.guards.hooking import discovery as d
+
+    base = SIMPLE_TREE[f"{SIMPLE}.manager"]
+    assert set(_refusals(base).values()) == {None}  # both asserts are request-scoped
+    no_hold = base.replace("        self.cpu_block_pool.touch(blocks)\n", "")
+    assert set(_refusals(no_hold).values()) == {d.REFUSE_NO_HOLD}
+    no_request = base.replace("request,", "req,").replace("request.request_id", "req.request_id")
+    assert set(_refusals(no_request).values()) == {d.REFUSE_NO_REQUEST}
+    branch = base.replace("        self.cpu_block_pool.touch(blocks)\n",
+                          "        if blocks:\n            self.cpu_block_pool.touch(blocks)\n")
+    assert _refusals(branch) == {"hit == num_external_tokens": None,
+                                 "self._reqs_to_load.get(request.request_id) is None": d.REFUSE_AFTER_HOLD}
+    not_scheduler = base.replace("Scheduler", "Pool")
+    assert set(_refusals(not_scheduler).values()) == {d.REFUSE_NOT_SCHEDULER}
