@@ -31,7 +31,13 @@ from kvguard.guards import names
 from kvguard.guards.checks import copy_ledger, invariants, offload_plan, tier_publish
 from kvguard.guards.checks.admission import counters as admission_counters
 from kvguard.guards.checks.load_coverage import Unsupported
-from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
+from kvguard.guards.checks.store_coverage import (
+    GroupStore,
+    group_store_problems,
+    store_in_place,
+    stored_end_block,
+    uncomputed_problem,
+)
 from kvguard.guards import site_registry
 from kvguard.guards.names import GLOBAL_FAIL_REQUEST
 from kvguard.guards.names import KIND_WINDOW
@@ -572,16 +578,31 @@ def _store_problems(context: dict[str, Any], geometries: tuple[Any, ...], parts:
     """Per KV cache group of the spec, :func:`kvguard.guards.checks.store_coverage.group_store_problems`
     (prefixed ``group <g>:``); groups with no block in this store are skipped."""
     req_status = context["req_status"]
-    num_tokens = int(req_status.req.num_tokens)
+    req = req_status.req
+    num_tokens = int(req.num_tokens)
+    written = _written_tokens(context, req)
     problems: list[str] = []
     group_states = req_status.group_states
     for g, first, copied in parts:
         geo = geometries[g]
         table = group_states[g].block_ids
+        bpc, tpb = geo.blocks_per_chunk, geo.tokens_per_block
+        # the store's chunks end within the KV the request has computed (vLLM 0.26.0-0.29.0's
+        # final store of a finished request counts its last, never computed, token). A store
+        # ends at least where its blocks would end laid out from ``first`` (later runs only
+        # skip forward), so this lower bound decides the usual store with no walk.
+        late = None
+        least_end = -(-(first + len(copied)) // bpc) * bpc
+        if written is not None and least_end * tpb > written:
+            late = uncomputed_problem(max(least_end, stored_end_block(table, copied, first, bpc)), tpb, written)
+            problems.append(f"group {g}: {late}")
         # the usual store, read with one slice comparison and no dataclass (issue 31)
-        if store_in_place(table, copied, first, geo.tokens_per_block, geo.blocks_per_chunk,
-                          geo.kept_tokens, num_tokens):
+        if store_in_place(table, copied, first, tpb, bpc, geo.kept_tokens, num_tokens):
             continue
+        if written is not None and late is None:  # runs with gaps: the walk says where it ends
+            late = uncomputed_problem(stored_end_block(table, copied, first, bpc), tpb, written)
+            if late:
+                problems.append(f"group {g}: {late}")
         found = group_store_problems(GroupStore(
             table=table,
             copied=copied,
@@ -593,6 +614,18 @@ def _store_problems(context: dict[str, Any], geometries: tuple[Any, ...], parts:
         ))
         problems.extend(f"group {g}: {p}" for p in found)
     return problems
+
+
+
+def _written_tokens(context: dict[str, Any], req: Any) -> int | None:
+    """Tokens of ``req`` whose KV is in its GPU blocks once the step's forward ran:
+    ``num_computed_tokens`` plus what ``scheduler_output`` (the builder's parameter, on
+    every release) schedules for it this step; a finished request is not scheduled, and its
+    last sampled token is not computed. None when the builder has no ``scheduler_output``."""
+    scheduled = getattr(context.get("scheduler_output"), "num_scheduled_tokens", None)
+    if scheduled is None:
+        return None
+    return int(req.num_computed_tokens) + int(scheduled.get(req.request_id, 0))
 
 
 

@@ -38,7 +38,19 @@ keeps ``kept_tokens`` tokens (:attr:`kvguard.guards.checks.load_coverage.GroupGe
 attention, which skips nothing) may be null when it lies wholly below the skipped tokens
 of the request, ``(j + 1) * tokens_per_block <= num_tokens - kept_tokens``; ``num_tokens``
 is the request's token count (the most it can have skipped: the check never calls a
-legal skip a violation). Plain ints in, a list of problems out; stdlib only.
+legal skip a violation).
+
+A second way to publish a chunk without its KV: **every slot of a published chunk holds KV
+the request computed**, i.e. the last stored chunk ends at or before the request's written
+extent, ``num_computed_tokens + num_scheduled_tokens`` (vLLM's own account of the positions
+whose KV the step's forward leaves in the GPU blocks; :func:`uncomputed_problem`). vLLM
+0.26.0 and 0.29.0 break it with ``offload_prompt_only: false``: the store builder's final
+pass over a finished request offloads up to ``req.num_tokens``, which counts the last
+sampled token, whose KV no forward ever wrote; a chunk ending there is published with a
+stale slot and a later turn that carries the output loads it (kvguard's fuzz, seed 0 of
+the guarded suite, 0.29.0; vLLM 0.33.0 clamps the final store to ``num_tokens - 1`` and
+0.34.0 to ``num_computed_tokens``, "the final sampled token's slot is never committed").
+Plain ints in, a list of problems out; stdlib only.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["GroupStore", "group_store_problems", "store_in_place"]
+__all__ = ["GroupStore", "group_store_problems", "store_in_place", "stored_end_block", "uncomputed_problem"]
 
 
 @dataclass(frozen=True)
@@ -98,35 +110,9 @@ def group_store_problems(g: GroupStore) -> list[str]:
     # each next one at the chunk boundary where the previous ended), so nothing is moved
     # and only the ends are left to check (the usual store: one slice comparison)
     in_place = table[g.first_index : g.first_index + len(copied)] == copied
-    # Walk the copied blocks chunk run by chunk run, as the copy engine places them: run r
-    # fills sub-blocks (skip if r == 0 else 0)..bpc-1 of the r-th stored chunk. The first
-    # run starts at first_index; a later run must be a whole chunk of the table, after the
-    # previous run, that holds exactly the run's ids in order (an id can also appear
-    # elsewhere in the table: a block the window freed and the allocator handed back,
-    # vLLM #42761, so each candidate chunk is matched whole).
-    k = len(copied) if in_place else 0
-    prev_end = g.first_index
-    while k < len(copied):
-        sub0 = skip if k == 0 else 0
-        run = copied[k : k + bpc - sub0]
-        if k == 0:
-            start_at = g.first_index if table[g.first_index : g.first_index + len(run)] == run else None
-        else:
-            # the first chunk that matches (a sound store: the next one; the scan goes on
-            # only past a mismatch)
-            start_at = next((
-                c for c in range(-(-prev_end // bpc) * bpc, len(table), bpc)
-                if table[c : c + len(run)] == run
-            ), None)
-        if start_at is None:
-            at = table.index(run[0], prev_end) if run[0] in table[prev_end:] else None
-            problems.append(
-                f"moved: copied block {k} (id {run[0]}) goes to sub-block {sub0} of stored chunk "
-                f"{(skip + k) // bpc}, but the table holds it at {at}"
-            )
-            break
-        prev_end = start_at + len(run)
-        k += len(run)
+    _end, moved = _walk_runs(table, copied, g.first_index, bpc, in_place)
+    if moved:
+        problems.append(moved)
     skipped = 0 if g.kept_tokens is None else max(0, g.num_tokens - g.kept_tokens)
     start = (g.first_index // bpc) * bpc
     live = [j for j in range(start, g.first_index) if (j + 1) * tpb > skipped]
@@ -140,6 +126,72 @@ def group_store_problems(g: GroupStore) -> list[str]:
             f"left_out: the last stored chunk gets {(skip + len(copied)) % bpc} of its {bpc} sub-blocks"
         )
     return problems
+
+
+def _walk_runs(table: list[int], copied: list[int], first_index: int, bpc: int,
+               in_place: bool) -> tuple[int, str | None]:
+    """``(logical GPU block just past the last copied block, the ``moved`` problem or None)``
+    as the copy engine places the copied blocks (see :func:`group_store_problems`)."""
+    if in_place:
+        return first_index + len(copied), None
+    # Walk the copied blocks chunk run by chunk run, as the copy engine places them: run r
+    # fills sub-blocks (skip if r == 0 else 0)..bpc-1 of the r-th stored chunk. The first
+    # run starts at first_index; a later run must be a whole chunk of the table, after the
+    # previous run, that holds exactly the run's ids in order (an id can also appear
+    # elsewhere in the table: a block the window freed and the allocator handed back,
+    # vLLM #42761, so each candidate chunk is matched whole).
+    skip = first_index % bpc
+    k = 0
+    prev_end = first_index
+    while k < len(copied):
+        sub0 = skip if k == 0 else 0
+        run = copied[k : k + bpc - sub0]
+        if k == 0:
+            start_at = first_index if table[first_index : first_index + len(run)] == run else None
+        else:
+            # the first chunk that matches (a sound store: the next one; the scan goes on
+            # only past a mismatch)
+            start_at = next((
+                c for c in range(-(-prev_end // bpc) * bpc, len(table), bpc)
+                if table[c : c + len(run)] == run
+            ), None)
+        if start_at is None:
+            at = table.index(run[0], prev_end) if run[0] in table[prev_end:] else None
+            return prev_end, (
+                f"moved: copied block {k} (id {run[0]}) goes to sub-block {sub0} of stored chunk "
+                f"{(skip + k) // bpc}, but the table holds it at {at}"
+            )
+        prev_end = start_at + len(run)
+        k += len(run)
+    return prev_end, None
+
+
+def stored_end_block(table: Sequence[int], copied: list[int], first_index: int, blocks_per_chunk: int) -> int:
+    """The logical GPU block index where the last chunk a group's store publishes ends
+    (a multiple of ``blocks_per_chunk``; blocks, not tokens). ``table``: the connector's
+    copy of the request's block ids for the group; ``copied``: the spec's ids for the
+    group; ``first_index``: its ``block_indices`` entry. A store whose runs are not found in
+    the table (``moved``) ends where the walk stopped."""
+    if not copied:
+        return (first_index // blocks_per_chunk) * blocks_per_chunk
+    table = table if type(table) is list else list(table)
+    in_place = table[first_index : first_index + len(copied)] == copied
+    end, _moved = _walk_runs(table, copied, first_index, blocks_per_chunk, in_place)
+    return -(-end // blocks_per_chunk) * blocks_per_chunk
+
+
+def uncomputed_problem(end_block: int, tokens_per_block: int, written_tokens: int) -> str | None:
+    """The ``uncomputed`` problem of a store whose last published chunk ends at logical
+    block ``end_block`` (:func:`stored_end_block`) of a group with ``tokens_per_block``,
+    for a request whose KV is written up to ``written_tokens`` tokens
+    (``num_computed_tokens`` plus the tokens the step schedules for it); None when every
+    slot of the store's chunks holds computed KV. Source: vLLM 0.33.0's clamp of the final
+    store ("the final sampled token's slot is never committed"), which 0.26.0-0.29.0 lack."""
+    end_tokens = end_block * tokens_per_block
+    if end_tokens <= written_tokens:
+        return None
+    return (f"uncomputed: a stored chunk ends at token {end_tokens}, the request's KV is written "
+            f"up to token {written_tokens} (num_computed_tokens + scheduled)")
 
 
 def store_in_place(table: Sequence[int], copied: list[int], first_index: int, tokens_per_block: int,

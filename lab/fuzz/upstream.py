@@ -26,12 +26,18 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
     names.CHECK_STORE_COVERAGE: (
         "a chunk an offload store publishes holds every GPU block it stands for, except blocks "
         "the request's KV cache manager skipped (below num_tokens - kept tokens); the copied "
-        "blocks of each KV cache group sit at their chunk places (guards/checks/store_coverage.py)",
+        "blocks of each KV cache group sit at their chunk places; and every stored chunk ends "
+        "within the KV the request computed (num_computed_tokens + the step's scheduled "
+        "tokens) (guards/checks/store_coverage.py)",
         "a chunk key is published only when every block of that chunk that the load path can "
-        "place inside an attention's read range was copied; in particular the stale-id zeroing "
-        "of `_update_req_states` must zero only ids the manager freed (remove_skipped_blocks), "
-        "never a live block a new request's prefix-cache hit lists among its new blocks",
-        "vLLM PR #42959 (stale sliding-window id zeroing, the fix of #42761), issue #46951",
+        "place inside an attention's read range was copied and computed; in particular the "
+        "stale-id zeroing of `_update_req_states` must zero only ids the manager freed "
+        "(remove_skipped_blocks), never a live block a new request's prefix-cache hit lists "
+        "among its new blocks; and a finished request's final store must stop before its last "
+        "sampled token, whose KV no forward wrote (as 0.33.0's `_build_store_jobs` clamps it)",
+        "vLLM PR #42959 (stale sliding-window id zeroing, the fix of #42761), issue #46951; "
+        "the final-store clamp of 0.33.0's `_build_store_jobs` (\"the final sampled token's slot "
+        "is never committed\")",
     ),
     names.CHECK_LOAD_COVERAGE: (
         "the load a CPU hit admits covers, for every KV cache group, each GPU block the hit "

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import itertools
 
-from kvguard.guards.checks.store_coverage import GroupStore, group_store_problems, store_in_place
+from kvguard.guards.checks.store_coverage import (
+    GroupStore,
+    group_store_problems,
+    store_in_place,
+    stored_end_block,
+    uncomputed_problem,
+)
 
 
 def build_store(table: list[int], stored_chunks: list[int], bpc: int) -> tuple[list[int], int, list[int]]:
@@ -113,3 +119,20 @@ def test_the_vllm_029_finding():
 def test_full_attention_skips_nothing():
     table = [0] + list(range(1, 16))
     assert group_store_problems(GroupStore(table, table[1:16], 1, 8, 8, None, 10_000))[0].startswith("left_out")
+
+
+def test_a_store_ends_at_its_last_chunk_and_within_the_computed_kv() -> None:
+    """Where a store's last published chunk ends (blocks), read as the copy engine places
+    the copied blocks: in place from ``first_index``, or in runs at later chunk boundaries
+    when chunks in between were stored before; and the ``uncomputed`` rule on it (vLLM
+    0.26.0-0.29.0's final store of a finished request counts its never-computed last token)."""
+    table = list(range(100, 148))  # 48 blocks, 8 per chunk
+    # in place: blocks 18..31 copied (the first chunk from sub-block 2): the store ends at 32
+    assert stored_end_block(table, table[18:32], 18, 8) == 32
+    # chunks 2 and 4 stored, chunk 3 already held by the tier: the second run sits at 32
+    assert stored_end_block(table, table[16:24] + table[32:40], 16, 8) == 40
+    # 4 tokens per block: the store ends at token 160
+    assert uncomputed_problem(40, 4, 160) is None
+    late = uncomputed_problem(40, 4, 159)
+    assert late == ("uncomputed: a stored chunk ends at token 160, the request's KV is written "
+                    "up to token 159 (num_computed_tokens + scheduled)")

@@ -116,3 +116,52 @@ def test_fuzz_writes_an_upstream_report_beside_the_trace(tmp_path: Path) -> None
     assert "- `store_coverage` (" in text and "#42959" in text
     assert "No kvguard invariant fired" not in text
     assert "kvguard replay --trace wrong-kv-blocks.jsonl --no-guard" in text
+
+
+def _final_store_counts_last_token() -> bool:
+    """Whether the installed store builder's final pass over a finished request stores up to
+    ``req.num_tokens`` (the last sampled token, whose KV no forward wrote): the assignment
+    ``num_tokens_after_batch = req.num_tokens`` in ``_build_store_jobs``, read from the
+    source (0.26.0 and 0.29.0 have it; 0.33.0 clamps to ``num_tokens - 1``, 0.34.0 to
+    ``num_computed_tokens``; 0.21.0 and 0.25.1 never store a finished request)."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    try:
+        module = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    except ImportError:  # 0.21.0 keeps the scheduler side in one module
+        module = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(module.OffloadingConnectorScheduler._build_store_jobs)))
+    return any(
+        isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["num_tokens_after_batch"]
+        and ast.unparse(node.value) == "req.num_tokens"
+        for node in ast.walk(tree)
+    )
+
+
+def test_the_final_token_class_on_this_release() -> None:
+    """With ``offload_prompt_only: false`` a finished request's final store covers its last
+    sampled token on releases whose builder says so (:func:`_final_store_counts_last_token`):
+    the chunk ending there is published with one stale slot and the next turn, whose prompt
+    carries that output, loads it (1 wrong GPU block, 1 of its 8 slots). With the guard the
+    ``store_coverage`` check finds the stored chunk past the computed KV (``uncomputed``),
+    drops the store, and every request finishes with 0 wrong blocks. Found by the guarded
+    suite's seed 0 on 0.29.0 once the fuzzer drew operator settings (7 Dec 2026)."""
+    trace = load_trace(str(TRACES / "wrong-kv-final-token-029.jsonl"))
+    unclamped = _final_store_counts_last_token()
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled
+    assert plain.wrong_kv_blocks == (1 if unclamped else 0), plain.worker.oracle.wrong_kv
+    if unclamped:
+        (wrong,) = plain.worker.oracle.wrong_kv
+        assert wrong["request_id"] == "agent-0/turn-2" and "1/8 slots differ" in wrong["what"]
+    with events.capture() as logged:
+        guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == len(trace.requests)
+    dropped = [e for e in logged if e["event"] == "check_failed" and e["check"] == names.CHECK_STORE_COVERAGE]
+    assert bool(dropped) == unclamped
+    assert all("uncomputed: a stored chunk ends at token" in e["message"] and e["action"] == names.ACTION_STORE_DROPPED
+               for e in dropped)
