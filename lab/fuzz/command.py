@@ -53,6 +53,15 @@ from kvguard.lab.replay.command import policy_option
     "sliding window",
 )
 @click.option(
+    "--settings/--default-settings",
+    "draw_settings",
+    default=True,
+    show_default=True,
+    help="draw the operator settings each installed connector reads (kv_connector_extra_config: "
+    "eviction_policy, store_threshold, offload_prompt_only, ...; docs/fuzz.md); "
+    "--default-settings leaves every one at vLLM's default",
+)
+@click.option(
     "--connector",
     type=click.Choice(["OffloadingConnector", "SimpleCPUOffloadConnector", "both"]),
     default="OffloadingConnector",
@@ -88,6 +97,7 @@ def fuzz(
     worker_model: bool,
     async_scheduling: bool,
     kv_layouts: bool,
+    draw_settings: bool,
     connector: str,
     differential: bool,
     epochs: int,
@@ -123,6 +133,7 @@ def fuzz(
         worker_model=worker_model,
         async_scheduling=async_scheduling,
         kv_layouts=kv_layouts,
+        draw_settings=draw_settings,
         connector=connector,
         differential=differential,
         epochs=epochs,

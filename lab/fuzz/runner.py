@@ -395,23 +395,24 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
 
 def not_generated(
     worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True,
-    connector: str = "OffloadingConnector",
+    connector: str = "OffloadingConnector", draw_settings: bool = True,
 ) -> list[dict[str, str]]:
     """Fields of the fuzz specification the fuzzer does not generate on this checkout/release, with the reason."""
     from kvguard.lab.fuzz import strategies
 
-    return strategies.not_generated(worker_model, async_scheduling, kv_layouts, connector)
+    return strategies.not_generated(worker_model, async_scheduling, kv_layouts, connector, draw_settings)
 
 
 def explorer(
     seed: int, max_examples: int, worker_model: bool, async_scheduling: bool = True,
     kv_layouts: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
+    draw_settings: bool = True,
 ) -> Callable[[Callable[[Trace], None]], Callable[[], None]]:
     """The Hypothesis decorator of an exploration: ``@explorer(...) def body(trace): ...``.
 
     ``@seed(seed)``, no example database, only the generate phase, no deadline, at most
     ``max_examples`` examples of :func:`.strategies.traces` (``worker_model``,
-    ``async_scheduling``, ``kv_layouts``, ``connector`` and ``epochs`` as there),
+    ``async_scheduling``, ``kv_layouts``, ``connector``, ``epochs`` and ``draw_settings`` as there),
     no health check, quiet. The decorated ``body`` is called once per generated trace.
     Call the result inside :func:`.determinism.pinned_constants` for examples that do
     not depend on the process's imports.
@@ -434,7 +435,8 @@ def explorer(
                 print_blob=False,
                 report_multiple_bugs=False,
             )(given(strategies.traces(worker_model=worker_model, async_scheduling=async_scheduling,
-                                      kv_layouts=kv_layouts, connector=connector, epochs=epochs))(body))
+                                      kv_layouts=kv_layouts, connector=connector, epochs=epochs,
+                                      draw_settings=draw_settings))(body))
         )
 
     return wrap
@@ -443,6 +445,7 @@ def explorer(
 def generate(
     seed: int, examples: int, *, worker_model: bool = True, async_scheduling: bool = True,
     kv_layouts: bool = True, pin: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
+    draw_settings: bool = True,
 ) -> list[Trace]:
     """The traces ``kvguard fuzz --seed seed --examples examples`` explores, without replaying them.
 
@@ -460,7 +463,7 @@ def generate(
         strategies.layout_support()  # probed before the draws, as in :func:`fuzz`
     out: list[Trace] = []
 
-    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts, connector, epochs)
+    @explorer(seed, examples, worker_model, async_scheduling, kv_layouts, connector, epochs, draw_settings)
     def body(trace: Trace) -> None:
         out.append(trace)
 
@@ -486,6 +489,7 @@ def fuzz(
     connector: str = "OffloadingConnector",
     differential: bool = True,
     epochs: int = 1,
+    draw_settings: bool = True,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -504,6 +508,8 @@ def fuzz(
     example; :func:`.strategies.traces`).
     ``epochs`` (``--epochs``; default 1): each example's traffic served that many times
     by one engine (:func:`.strategies.lifetime`, the long-life mode).
+    ``draw_settings`` (default): draw the operator settings each release reads
+    (:func:`.strategies.operator_settings`); False (``--default-settings``): vLLM's defaults.
     ``differential`` (guard on; default): every example where kvguard acted is replayed
     unguarded too and compared request by request (:mod:`.differential`); a ``worse``
     example is the kvguard-bug class ``worse-than-vllm-alone after <checks>``. The report's
@@ -657,7 +663,7 @@ def fuzz(
         to_judge.clear()
 
     @explorer(seed, examples if examples is not None else 10**6, worker_model, async_scheduling, kv_layouts,
-              connector, epochs)
+              connector, epochs, draw_settings)
     def explore(trace: Trace) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise _BudgetSpent
@@ -763,7 +769,8 @@ def fuzz(
         "kv_layouts": kv_layouts,
         "connector": connector,
         "epochs": epochs,
-        "not_generated": not_generated(worker_model, async_scheduling, kv_layouts, connector),
+        "settings_drawn": draw_settings and strategies.SETTINGS,
+        "not_generated": not_generated(worker_model, async_scheduling, kv_layouts, connector, draw_settings),
         "out_dir": str(out_path),
         "explore_s": round(explore_s, 2),
         "wall_s": round(time.monotonic() - t0, 2),

@@ -585,6 +585,7 @@ def without_failures(model: "WorkerModel") -> "WorkerModel":
 def traces(
     draw: st.DrawFn, name: str = "fuzz", worker_model: bool = True, async_scheduling: bool = True,
     kv_layouts: bool = True, connector: str = "OffloadingConnector", epochs: int = 1,
+    draw_settings: bool = True,
 ) -> Trace:
     """One trace: :func:`geometry` and :func:`traffic` sharing ``max_model_len``, and
     :func:`worker` where the trace format has a worker model and ``worker_model`` is
@@ -603,7 +604,9 @@ def traces(
     made fit for it (:func:`for_simple_connector`). ``epochs`` > 1 (``kvguard fuzz
     --epochs``): the traffic becomes a :func:`lifetime`; then engines sharing an fs tier
     (:func:`shared_engines`) and, last of all, the operator's settings
-    (:func:`operator_settings`)."""
+    (:func:`operator_settings`), unless ``draw_settings`` is false (``kvguard fuzz
+    --default-settings``: no draw, vLLM's defaults, the examples of a checkout before the
+    settings were drawn)."""
     geo = draw(geometry(kv_layouts=kv_layouts))
     reqs = draw(traffic(geo.max_model_len))
     extra = {"worker": draw(worker())} if WORKER and worker_model else {}
@@ -623,10 +626,10 @@ def traces(
             extra["restarts"] = draw(restarts(reqs, epochs))
     if "fs" in (geo.secondary_tiers or ()) and not extra.get("restarts") and SHARED_ENGINES:
         reqs = draw(shared_engines(reqs))
-    if SETTINGS:
-        settings = draw(operator_settings(geo))
-        if settings:
-            geo = dataclasses.replace(geo, extra_config=settings)
+    if SETTINGS and draw_settings:
+        drawn = draw(operator_settings(geo))
+        if drawn:
+            geo = dataclasses.replace(geo, extra_config=drawn)
     return Trace(
         name=name,
         geometry=geo,
@@ -738,7 +741,7 @@ LAYOUTS_OFF = (
 
 def not_generated(
     worker_model: bool = True, async_scheduling: bool = True, kv_layouts: bool = True,
-    connector: str = "OffloadingConnector",
+    connector: str = "OffloadingConnector", draw_settings: bool = True,
 ) -> list[dict[str, str]]:
     """Fields of the fuzz specification this generator does not draw in this checkout, each with why.
 
@@ -785,6 +788,8 @@ def not_generated(
         })
     if not SETTINGS:
         out.append({"field": "extra_config", "reason": "not in this checkout's trace format"})
+    elif not draw_settings:
+        out.append({"field": "extra_config", "reason": "--default-settings: every setting at vLLM's default"})
     else:
         from kvguard.lab.knobs import LAB_KEYS, OPERATOR_SETTINGS, installed_reads
 

@@ -89,9 +89,11 @@ def search_021(tmp_path_factory):
     # Seed 14: with the pinned generator, 24 of seeds 0-24 at 300 examples find #42945 (not 3);
     # seeds 1, 14, 19 and 24 also find the #43884 class (seed 14: 7 examples, the most).
     # --immediate-worker: the same examples whether or not the checkout has the worker model;
-    # --sync-scheduling: the same examples as before geometry.async_scheduling was drawn
-    code, r = _cli_fuzz(out, "--no-guard", "--immediate-worker", "--sync-scheduling", "--seed", "14", "--examples", "300",
-                        "--shrink-replays", "60")
+    # --sync-scheduling: the same examples as before geometry.async_scheduling was drawn;
+    # --default-settings: the same as before the operator settings were drawn (with them,
+    # 7 Dec 2026, seed 14 finds #42945 only: the draws after the traffic shift the examples)
+    code, r = _cli_fuzz(out, "--no-guard", "--immediate-worker", "--sync-scheduling", "--default-settings",
+                        "--seed", "14", "--examples", "300", "--shrink-replays", "60")
     assert code == 0
     return r
 
@@ -99,6 +101,7 @@ def search_021(tmp_path_factory):
 def test_unhinted_fuzz_finds_42945_and_its_minimal_trace_replays(search_021):
     r = search_021
     assert r["vllm_version"] == "0.21.0" and r["guard"] is False and r["deterministic"] is True
+    assert r["settings_drawn"] is False and r["settings"] == {}
     assert r["examples"] == 300 and r["steps"] > 1000
     (c,) = [c for c in r["classes"] if c["class"] == CLASS_42945]
     assert c["kind"] == "death" and c["count"] >= 1
