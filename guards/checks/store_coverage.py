@@ -48,8 +48,9 @@ whose KV the step's forward leaves in the GPU blocks; :func:`uncomputed_problem`
 pass over a finished request offloads up to ``req.num_tokens``, which counts the last
 sampled token, whose KV no forward ever wrote; a chunk ending there is published with a
 stale slot and a later turn that carries the output loads it (kvguard's fuzz, seed 0 of
-the guarded suite, 0.29.0; vLLM 0.33.0 clamps the final store to ``num_tokens - 1`` and
-0.34.0 to ``num_computed_tokens``, "the final sampled token's slot is never committed").
+the guarded suite, 0.29.0; vLLM PR #54288, in 0.33.0, clamps the final store to
+``num_tokens - 1``, "the final sampled token's slot is never committed", and 0.34.0 to
+``num_computed_tokens``).
 Plain ints in, a list of problems out; stdlib only.
 """
 

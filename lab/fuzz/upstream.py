@@ -36,8 +36,8 @@ WRONG_KV_INVARIANTS: dict[str, tuple[str, str, str]] = {
         "among its new blocks; and a finished request's final store must stop before its last "
         "sampled token, whose KV no forward wrote (as 0.33.0's `_build_store_jobs` clamps it)",
         "vLLM PR #42959 (stale sliding-window id zeroing, the fix of #42761), issue #46951; "
-        "the final-store clamp of 0.33.0's `_build_store_jobs` (\"the final sampled token's slot "
-        "is never committed\")",
+        "vLLM PR #54288 (the final-store clamp of 0.33.0's `_build_store_jobs`: \"the final "
+        "sampled token's slot is never committed\")",
     ),
     names.CHECK_LOAD_COVERAGE: (
         "the load a CPU hit admits covers, for every KV cache group, each GPU block the hit "
