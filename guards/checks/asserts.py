@@ -587,22 +587,21 @@ def _store_problems(context: dict[str, Any], geometries: tuple[Any, ...], parts:
         geo = geometries[g]
         table = group_states[g].block_ids
         bpc, tpb = geo.blocks_per_chunk, geo.tokens_per_block
+        in_place = store_in_place(table, copied, first, tpb, bpc, geo.kept_tokens, num_tokens)
         # the store's chunks end within the KV the request has computed (vLLM 0.26.0-0.29.0's
-        # final store of a finished request counts its last, never computed, token). A store
-        # ends at least where its blocks would end laid out from ``first`` (later runs only
-        # skip forward), so this lower bound decides the usual store with no walk.
-        late = None
-        least_end = -(-(first + len(copied)) // bpc) * bpc
-        if written is not None and least_end * tpb > written:
-            late = uncomputed_problem(max(least_end, stored_end_block(table, copied, first, bpc)), tpb, written)
-            problems.append(f"group {g}: {late}")
-        # the usual store, read with one slice comparison and no dataclass (issue 31)
-        if store_in_place(table, copied, first, tpb, bpc, geo.kept_tokens, num_tokens):
-            continue
-        if written is not None and late is None:  # runs with gaps: the walk says where it ends
-            late = uncomputed_problem(stored_end_block(table, copied, first, bpc), tpb, written)
+        # final store of a finished request counts its last, never computed, token). An
+        # in-place store ends at ``first + len(copied)`` (a chunk boundary); a store in runs
+        # ends at least there (later runs only skip forward), so the walk runs only then.
+        if written is not None:
+            end = -(-(first + len(copied)) // bpc) * bpc
+            if not in_place:
+                end = max(end, stored_end_block(table, copied, first, bpc))
+            late = uncomputed_problem(end, tpb, written)
             if late:
                 problems.append(f"group {g}: {late}")
+        # the usual store, read with one slice comparison and no dataclass (issue 31)
+        if in_place:
+            continue
         found = group_store_problems(GroupStore(
             table=table,
             copied=copied,
