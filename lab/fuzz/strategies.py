@@ -537,13 +537,39 @@ def for_simple_connector(geo: Geometry, extra: dict) -> tuple[Geometry, dict]:
     GPU blocks (``tokens_per_chunk = tokens_per_block``; ``cpu_chunks`` is then its CPU
     pool in blocks, ``blocks_per_chunk`` times the drawn count, so the pool holds as many
     tokens as the drawn tier), has no secondary tier, and its worker reports no failed copy
-    (the worker model's failure rates are dropped, its latencies kept)."""
+    (the worker model's failure rates are dropped, its latencies kept). Where the installed
+    connector refuses a layout without a full-attention group
+    (:func:`~kvguard.lab.replay.vllm_api.simple_full_attention_assert`), a drawn layout of
+    sliding-window groups only gets one full-attention group appended, in the flat
+    ``tokens_per_block``, and the GPU pool grows by that group's need
+    (``cdiv(max_model_len, tokens_per_block)``, as :func:`layout_min_gpu_blocks` counts it,
+    so the drawn headroom is kept): the drawn windows stay, and the example is one vLLM
+    starts instead of one it refuses at start (about 6% of ``--connector both`` examples
+    before)."""
     geo = dataclasses.replace(
         geo, connector=CONNECTORS[1], tokens_per_chunk=geo.tokens_per_block,
         cpu_chunks=geo.cpu_chunks * geo.blocks_per_chunk, secondary_tiers=None)
+    if geo.groups is not None and all(g.kind != "full" for g in geo.groups) and _simple_needs_full():
+        geo = dataclasses.replace(
+            geo, groups=(*geo.groups, GroupGeometry("full", geo.tokens_per_block)),
+            num_gpu_blocks=geo.num_gpu_blocks + _cdiv(geo.max_model_len, geo.tokens_per_block))
     if "worker" in extra:
         extra = {**extra, "worker": without_failures(extra["worker"])}
     return geo, extra
+
+
+def _simple_needs_full() -> bool:
+    """Whether the installed SimpleCPUOffloadConnector asserts a full-attention group (asked
+    once per process)."""
+    global _SIMPLE_FULL
+    if _SIMPLE_FULL is None:
+        from kvguard.lab.replay.vllm_api import simple_full_attention_assert
+
+        _SIMPLE_FULL = simple_full_attention_assert() is not None
+    return _SIMPLE_FULL
+
+
+_SIMPLE_FULL: bool | None = None
 
 
 def failed_transfers_unsupported() -> str | None:

@@ -1161,6 +1161,47 @@ def failed_transfer_assert() -> str | None:
     return None
 
 
+def simple_full_attention_assert() -> str | None:
+    """Where the installed SimpleCPUOffloadConnector refuses a KV cache layout without a
+    full-attention group, or None.
+
+    Read from the installed source (never imported): in class ``SimpleCPUOffloadScheduler``
+    under ``vllm/v1/simple_kv_offload``, its ``__init__`` has an ``assert`` whose test reads
+    ``fa_gidx`` (vLLM 0.26.0-0.34.0: it finds the first group whose spec is a
+    ``FullAttentionSpec`` "for prefix cache matching" and ``assert 0 <= self.fa_gidx <
+    len(...kv_cache_groups)``). A layout of sliding-window groups only never gets past the
+    connector's construction there: vLLM refuses it at start, so the lab never draws it for
+    that connector (:func:`kvguard.lab.fuzz.strategies.for_simple_connector`).
+    Returns ``"vllm/<path>:<line> in __init__"``.
+    """
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    root = Path(spec.origin).parent
+    folder = root / "v1" / "simple_kv_offload"
+    for path in sorted(folder.rglob("*.py")) if folder.is_dir() else ():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "class SimpleCPUOffloadScheduler" not in text:
+            continue
+        for cls in ast.walk(ast.parse(text)):
+            if not (isinstance(cls, ast.ClassDef) and cls.name == "SimpleCPUOffloadScheduler"):
+                continue
+            for func in cls.body:
+                if not (isinstance(func, ast.FunctionDef) and func.name == "__init__"):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Assert) and any(
+                        isinstance(a, ast.Attribute) and a.attr == "fa_gidx" for a in ast.walk(node.test)
+                    ):
+                        rel = path.relative_to(root.parent).as_posix()
+                        return f"{rel}:{node.lineno} in __init__"
+    return None
+
+
 def load_failure_policy() -> str | None:
     """The installed release's default for a failed KV load (``KVTransferConfig.kv_load_failure_policy``:
     ``"fail"`` fails the request, ``"recompute"`` recomputes its tokens), or None where the

@@ -437,5 +437,7 @@ def test_guarded_simple_connector_fuzz_has_no_kvguard_bug(tmp_path):
     assert r["kvguard_deaths"] == 0 and r["wrong_kv_blocks"] == 0
     assert not [c for c in r["classes"] if c["kind"] in ("guard-error", "stall", "wrong-kv")]
     _open_worse_only(r)
-    # every geometry vLLM refused is the connector's own start-up refusal (no full-attention group)
-    assert set(r["invalid_reasons"]) <= {"AssertionError"}
+    # none refused: the one start-up refusal this connector has (a layout without a
+    # full-attention group, its ``fa_gidx`` assert) is fitted away by the generator
+    # (strategies.for_simple_connector); before, 6% of these examples never started
+    assert r["invalid_geometries"] == 0, r["invalid_reasons"]

@@ -338,3 +338,40 @@ def test_an_assert_after_the_pinned_hit_is_popped_fails_the_request_alone_and_gi
     assert failed["action"] == "request_failed" and failed["request_id"] == VICTIM
     assert sum(1 for b in manager.cpu_block_pool.blocks if b.ref_cnt > 0) == 0
     assert guarded.guard_errors == {}
+
+
+def test_a_layout_without_full_attention_is_refused_by_vllm_and_never_drawn_for_this_connector() -> None:
+    """The installed SimpleCPUOffloadConnector asserts a full-attention group at construction
+    (:func:`~kvguard.lab.replay.vllm_api.simple_full_attention_assert`): vLLM refuses a
+    layout of sliding-window groups only, at the line the reader names. The fuzzer's
+    :func:`~kvguard.lab.fuzz.strategies.for_simple_connector` appends one full-attention
+    group there (drawn windows kept, the GPU pool grown by that group's need), and the
+    fitted trace replays to the end on the right KV."""
+    import dataclasses
+    import traceback
+
+    from kvguard.lab.fuzz import strategies
+    from kvguard.lab.replay import vllm_api
+    from kvguard.lab.replay.trace import GroupGeometry
+
+    harness.uninstall_guard()
+    base = load_trace(TRACE)
+    geo = base.geometry
+    swa_only = dataclasses.replace(
+        geo, groups=(GroupGeometry("sliding_window", geo.tokens_per_block, geo.sliding_window),))
+    fitted, _ = strategies.for_simple_connector(swa_only, {})
+    site = vllm_api.simple_full_attention_assert()
+    if site is None:  # a release that takes any layout: nothing to fit
+        assert fitted.groups == swa_only.groups
+        return
+    where = site.split(" in ")[0]
+    with pytest.raises(AssertionError) as refused:
+        vllm_api.build_scheduler(swa_only, "SimpleCPUOffloadConnector")
+    last = traceback.extract_tb(refused.value.__traceback__)[-1]
+    assert f"{last.filename}:{last.lineno}".endswith(where), (last, site)
+    assert fitted.groups == (*swa_only.groups, GroupGeometry("full", geo.tokens_per_block))
+    assert fitted.num_gpu_blocks == geo.num_gpu_blocks + -(-geo.max_model_len // geo.tokens_per_block)
+    engine, result = _replay(guard=False, trace=dataclasses.replace(base, geometry=fitted))
+    assert result.engine_survived and not result.stalled, result.error
+    assert result.ok and result.finished == result.submitted == len(base.requests)
+    assert engine.worker.oracle.stored_blocks > 0 and engine.worker.oracle.checked_blocks > 0
