@@ -427,8 +427,18 @@ WAIT_LOAD_IN_FLIGHT = "load_in_flight"
 #: ``WAITING_FOR_REMOTE_KVS``, its load reported done (``finished_recving_kv_req_ids``),
 #: while the engine schedules nothing: vLLM's waiting scan never reaches it (vllm#45388).
 WAIT_LOAD_NOT_PROMOTED = "load_not_promoted"
+#: The engine scheduled nothing while requests wait, and the connector's own in-flight stores
+#: hold GPU blocks: the SimpleCPUOffloadConnector's lazy mode pins blocks near the free
+#: queue's head for every store and, with async scheduling, the pins of the step before are
+#: still held when the next step admits, so a request whose full sequence needs them is
+#: never admitted while the walker keeps storing (kvguard.guards.checks.wait_bound).
+WAIT_BLOCKS_HELD_BY_STORES = "blocks_held_by_stores"
 WAITS: tuple[str, ...] = (WAIT_LOOKUP_DEFERRED, WAIT_TRANSFERS_IN_FLIGHT, WAIT_LOAD_IN_FLIGHT,
-                          WAIT_LOAD_NOT_PROMOTED)
+                          WAIT_LOAD_NOT_PROMOTED, WAIT_BLOCKS_HELD_BY_STORES)
+#: the connector's walker took no new GPU blocks for stores until the engine scheduled again
+#: (a lazy offload skipped: those blocks stay in the GPU prefix cache, uncopied)
+ACTION_STORES_WITHHELD = "stores_withheld"
+ACTIONS = ACTIONS + (ACTION_STORES_WITHHELD,)
 EVENT_WAIT_BOUND_EXCEEDED = "wait_bound_exceeded"
 KEY_WAIT = "wait"
 KEY_STALE_OBSERVATIONS = "stale_observations"

@@ -28,6 +28,21 @@ request in exactly two ways, and each can make it wait:
    reports the load (``finished_recving``) *and* the waiting scan reaches it. Wait
    ``load_in_flight`` until the report, ``load_not_promoted`` after it.
 
+3. The connector's own stores hold GPU blocks a waiting request needs
+   (``blocks_held_by_stores``). The SimpleCPUOffloadConnector's lazy mode
+   (``lazy_offload: true``) walks the GPU free queue from its head in every
+   ``build_connector_meta`` and ``touch``es each block it stores (``_prepare_lazy_store_specs``,
+   0.21.0-0.34.0), releasing them when the store is reported. With async scheduling the
+   report of a step's store is processed after the next ``schedule()``, so every admission
+   runs with the previous step's pins held; where the CPU pool is smaller than the walker's
+   reach (``_target_free``) it never runs out of blocks to store, and a request whose full
+   sequence needs the pinned blocks (``scheduler_reserve_full_isl``) is never admitted: the
+   engine idles with requests waiting and no transfer of theirs pending (fuzz seed 14, 3 Dec
+   2026: every lost request of those runs, on 0.26.0, 0.29.0, 0.33.0 and 0.34.0; vLLM alone
+   and guarded alike before this wait). Observed once per step in which the engine scheduled
+   nothing while a request waits and the connector has stores pending
+   (``has_pending_stores()``); progress is a step that schedules any token.
+
 Waits the scheduler side cannot end are left to vLLM: the worker's ``wait(jobs_to_flush)``
 (the engine itself blocks; nothing kvguard runs in the scheduler can help) and a
 finished request's blocks held for its last stores (the client already has its answer).
@@ -82,6 +97,14 @@ What each policy does with a stalled wait
                 computing and cannot park behind the same head again), on every release whose scheduler has that path
                 (bound by structure; 0.21.0-0.34.0 all have it). Where none is found the
                 request fails alone, as below.
+              - ``blocks_held_by_stores``: the walker takes no new GPU blocks until the
+                engine schedules again (``action="stores_withheld"``: its switch, the
+                attribute the installed walker returns nothing for when ``<= 0``, found by
+                :func:`lazy_store_switch`, is 0 for those steps). The pins it holds are
+                released as their stores are reported, the head request is admitted, and
+                the walker resumes. The cost is the lazy offloads of those idle steps: the
+                blocks stay in the GPU prefix cache, uncopied (never wrong KV: a store
+                not made publishes nothing).
               - ``transfers_in_flight`` and ``load_in_flight``: the connector cannot
                 release them (a transfer in flight still reads or writes the request's
                 blocks), so that request fails alone (``action="request_failed"``):
@@ -102,6 +125,7 @@ wrapper there; with nothing waiting it costs one dict read). Kill switch:
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -119,6 +143,8 @@ __all__ = [
     "configure",
     "detach_all",
     "kv_wait_statuses",
+    "lazy_store_switch",
+    "observe_idle",
     "observe_deferred",
     "answered",
     "admitted_async",
@@ -241,6 +267,10 @@ class WaitTable:
     #: True once :func:`attach` put the per-step hook on the connector scheduler: async
     #: loads are watched only then (nothing else would ever drop them)
     stepped: bool = False
+    #: the lazy store walker's switch attribute (:func:`lazy_store_switch`; None: no walker)
+    lazy_switch: str | None = None
+    #: the ``blocks_held_by_stores`` wait, while the engine idles with requests waiting
+    hold: Wait | None = None
 
 
 def _table(cs: Any) -> WaitTable:
@@ -435,6 +465,96 @@ def observe_step(cs: Any, scheduler_output: Any, frame: Any) -> None:
             _count(wait, names.ACTION_REQUEST_FAILED, policy, None)
 
 
+def observe_idle(cs: Any, table: WaitTable, frame: Any) -> bool:
+    """One ``schedule()`` of the scheduler that owns ``cs`` (a connector with a lazy store
+    walker) scheduled no token; ``frame`` is the caller of ``build_connector_meta``.
+
+    Observes the ``blocks_held_by_stores`` wait (module docstring): a request waits and
+    the connector has stores pending. Returns True when this step's walker must take no
+    new GPU blocks (``guard``, the bound exceeded, until the engine schedules again).
+    Raises ``AssertionError`` only under ``strict``."""
+    scheduler = table.scheduler
+    if scheduler is None:
+        scheduler = table.scheduler = _stepping_scheduler(frame)
+    waiting = getattr(scheduler, "waiting", None) if scheduler is not None else None
+    hold = table.hold
+    if not waiting:
+        table.hold = None  # nothing waits: no wait
+        return False
+    if hold is None:
+        if not cs.has_pending_stores():
+            return False  # an idle step the connector's stores play no part in
+        head = next(iter(waiting))
+        table.hold = Wait(names.WAIT_BLOCKS_HELD_BY_STORES, head)
+        return False
+    if hold.acted:
+        # withholding (guard) or counted (observe): until the engine schedules again
+        return runtime.policy() == names.POLICY_GUARD
+    _bump("evaluated")
+    hold.stale += 1
+    now = time.monotonic()
+    if not hold.exceeded(now):
+        return False
+    policy = runtime.policy()
+    message = _message(hold)
+    if policy == names.POLICY_STRICT:
+        _count(hold, names.ACTION_RAISED, policy, None)
+        raise AssertionError(message)
+    hold.acted = True
+    if policy == names.POLICY_OBSERVE:
+        _count(hold, names.ACTION_CONTINUED, policy, None)
+        return False
+    _count(hold, names.ACTION_STORES_WITHHELD, policy, None)
+    return True
+
+
+def _stepping_scheduler(frame: Any) -> Any:
+    """vLLM's ``Scheduler`` among ``frame`` and its callers (at most 4 frames up): the first
+    ``self`` with ``update_from_output``, ``waiting`` and ``running``; None if none."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if callable(getattr(owner, "update_from_output", None)) and hasattr(owner, "waiting") and hasattr(owner, "running"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def lazy_store_switch(cls: type) -> str | None:
+    """The attribute that switches a connector scheduler's lazy store walker off, read from
+    the installed source of ``cls`` (never guessed from a release): a method that reads the
+    GPU pool's ``free_block_queue`` and returns at once when ``self.<attr> <= 0``. On the
+    SimpleCPUOffloadConnector (0.21.0-0.34.0) that is ``_prepare_lazy_store_specs``' ``if
+    gpu_pool is None or self._target_free <= 0: return [], [], [], None``, and
+    ``_target_free`` is 0 in eager mode. None where no method has that shape (no walker:
+    the ``blocks_held_by_stores`` wait is not watched). Never raises."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        if not any(isinstance(n, ast.Attribute) and n.attr == "free_block_queue" for n in ast.walk(func)):
+            continue
+        for node in ast.walk(func):
+            if not (isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Return)):
+                continue
+            for cmp in ast.walk(node.test):
+                if (isinstance(cmp, ast.Compare) and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.LtE)
+                        and isinstance(cmp.left, ast.Attribute) and isinstance(cmp.left.value, ast.Name)
+                        and cmp.left.value.id == "self" and isinstance(cmp.comparators[0], ast.Constant)
+                        and cmp.comparators[0].value == 0):
+                    return cmp.left.attr
+    return None
+
+
 def _recompute(scheduler: Any, request: Any) -> bool:
     """vLLM's failed-receive path for a reported load (:func:`kvguard.guards.policy.recompute.recompute_reported`);
     False (the caller fails the request) where the release has none or it raised (counted)."""
@@ -510,11 +630,36 @@ def attach(cs: Any) -> bool:
                 raise  # strict
             except Exception as error:
                 runtime.guard_error(names.STAGE_ADMISSION, error)
+        if table is not None and table.lazy_switch is not None:
+            if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+                table.hold = None  # the engine scheduled: progress
+            else:
+                withhold = False
+                try:
+                    withhold = observe_idle(cs, table, sys._getframe(1))
+                except AssertionError:
+                    raise  # strict
+                except Exception as error:
+                    runtime.guard_error(names.STAGE_ADMISSION, error)
+                if withhold:
+                    switch = table.lazy_switch
+                    saved = getattr(cs, switch)
+                    setattr(cs, switch, 0)
+                    try:
+                        return inner(scheduler_output, *args, **kwargs)
+                    finally:
+                        setattr(cs, switch, saved)
         return inner(scheduler_output, *args, **kwargs)
 
     build_connector_meta._kvguard_wait_bound = True  # type: ignore[attr-defined]
     cs.__dict__["build_connector_meta"] = build_connector_meta
-    _table(cs).stepped = True
+    table = _table(cs)
+    table.stepped = True
+    switch = lazy_store_switch(type(cs))
+    if switch is not None and callable(getattr(cs, "has_pending_stores", None)):
+        value = getattr(cs, switch, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            table.lazy_switch = switch  # lazy mode on: its walker can hold blocks
     _attached.add(cs)
     return True
 

@@ -206,3 +206,75 @@ def test_no_false_alarm_on_a_trace_without_a_stall(name: str) -> None:
         pytest.skip("not expressible on this release (guardtools_vllm.expressible)")
     out = _replay(trace)
     assert _acted(out) == {}, f"{name}: the wait bound acted on a trace with no stall"
+
+
+# -- the connector's own stores hold the GPU blocks a waiting request needs ----------------
+#: the SimpleCPUOffloadConnector's lazy walker (guards/checks/wait_bound.py, wait
+#: ``blocks_held_by_stores``): shrunk from fuzz seed 14 on 0.34.0 (async scheduling) and on
+#: 0.26.0 (sync, stores reported 3 steps late)
+LAZY_HOLDS = ["stall-lazy-store-hold-034.jsonl", "stall-lazy-store-hold-026.jsonl"]
+HELD = f"{names.WAIT_BLOCKS_HELD_BY_STORES}:{names.ACTION_STORES_WITHHELD}"
+
+
+@pytest.mark.parametrize("name", LAZY_HOLDS)
+def test_the_lazy_store_hold_ends_guarded(name: str) -> None:
+    """Where vLLM alone leaves a request waiting for GPU blocks its lazy stores keep pinned
+    (nothing of its own in flight), guarded the walker takes no new block until the engine
+    schedules again, the pins drain, and every request finishes on the right KV, none failed;
+    where vLLM alone finishes the trace, the guard changes nothing. The expectation is the
+    release's own unguarded outcome, measured in the same test."""
+    trace = load_trace(str(TRACES / name))
+    if not expressible(trace):
+        pytest.skip("not expressible on this release (guardtools_vllm.expressible)")
+    plain = _replay(trace, guard=False)
+    out = _replay(trace)
+    assert _ended(out) and out["wrong_kv_blocks"] == 0
+    r = out["requests"]
+    assert out["failed_requests"] == [] and r["finished"] == r["submitted"]
+    if plain["stalled"]:
+        assert {s["kind"] for s in plain["stalls"]} == {"waiting_for_blocks"}
+        assert not any(s["connector"]["pending_loads"] or s["connector"]["pending_stores"] for s in plain["stalls"])
+        assert set(_acted(out)) == {HELD} and _acted(out)[HELD] >= 1
+    else:
+        assert _acted(out) == {}
+        assert plain["requests"]["finished"] == r["submitted"]
+
+
+def test_observe_counts_the_lazy_store_hold_and_strict_raises() -> None:
+    """Under observe the hold is counted once and vLLM's stall is left as it is; under strict
+    the engine raises naming the wait. On a release where vLLM alone does not stall on the
+    trace, neither policy acts."""
+    trace = load_trace(str(TRACES / "stall-lazy-store-hold-026.jsonl"))
+    plain = _replay(trace, guard=False)
+    seen = _replay(trace, policy="observe")
+    strict = _replay(trace, policy="strict")
+    if plain["stalled"]:
+        assert seen["stalled"] is True and seen["failed_requests"] == []
+        assert _acted(seen) == {f"{names.WAIT_BLOCKS_HELD_BY_STORES}:{names.ACTION_CONTINUED}": 1}
+        assert strict["engine_survived"] is False
+        assert "AssertionError" in strict["error"] and names.WAIT_BLOCKS_HELD_BY_STORES in strict["error"]
+    else:
+        assert _acted(seen) == {} and _ended(seen)
+        assert strict["engine_survived"] is True and _ended(strict)
+
+
+def test_the_lazy_walker_switch_is_read_from_the_installed_code() -> None:
+    """:func:`~kvguard.guards.checks.wait_bound.lazy_store_switch` finds the attribute the
+    installed walker returns nothing for when ``<= 0``; built by vLLM it is above 0 with
+    ``lazy_offload: true`` and 0 without (so the hold is watched in lazy mode only)."""
+    import dataclasses
+
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    from kvguard.guards.checks import wait_bound
+    from kvguard.lab.replay import vllm_api
+
+    switch = wait_bound.lazy_store_switch(SimpleCPUOffloadScheduler)
+    assert switch is not None
+    geo = dataclasses.replace(load_trace(str(TRACES / "stall-lazy-store-hold-026.jsonl")).geometry)
+    values = {}
+    for lazy in (True, False):
+        parts = vllm_api.build_scheduler(dataclasses.replace(geo, extra_config={"lazy_offload": lazy}),
+                                         "SimpleCPUOffloadConnector")
+        values[lazy] = getattr(parts.connector_scheduler, switch)
+    assert values[True] > 0 and values[False] == 0, values
