@@ -469,8 +469,9 @@ def observe_idle(cs: Any, table: WaitTable, frame: Any) -> bool:
     """One ``schedule()`` of the scheduler that owns ``cs`` (a connector with a lazy store
     walker) scheduled no token; ``frame`` is the caller of ``build_connector_meta``.
 
-    Observes the ``blocks_held_by_stores`` wait (module docstring): a request waits and
-    the connector has stores pending. Returns True when this step's walker must take no
+    Observes the ``blocks_held_by_stores`` wait (module docstring): the head of the waiting
+    queue waits for an admission (``WAITING`` or ``PREEMPTED``, not parked for its KV) and
+    the connector has stores pending when the wait begins. Returns True when this step's walker must take no
     new GPU blocks (``guard``, the bound exceeded, until the engine schedules again).
     Raises ``AssertionError`` only under ``strict``."""
     scheduler = table.scheduler
@@ -482,9 +483,10 @@ def observe_idle(cs: Any, table: WaitTable, frame: Any) -> bool:
         table.hold = None  # nothing waits: no wait
         return False
     if hold is None:
-        if not cs.has_pending_stores():
-            return False  # an idle step the connector's stores play no part in
         head = next(iter(waiting))
+        # a head parked for its KV (or anything but plain WAITING) has its own wait
+        if head.status.name not in _ADMISSION_STATUSES or not cs.has_pending_stores():
+            return False  # an idle step the connector's stores play no part in
         table.hold = Wait(names.WAIT_BLOCKS_HELD_BY_STORES, head)
         return False
     if hold.acted:
@@ -506,6 +508,10 @@ def observe_idle(cs: Any, table: WaitTable, frame: Any) -> bool:
         return False
     _count(hold, names.ACTION_STORES_WITHHELD, policy, None)
     return True
+
+
+#: statuses of a request the waiting scan tries to allocate blocks for
+_ADMISSION_STATUSES = frozenset({"WAITING", "PREEMPTED"})
 
 
 def _stepping_scheduler(frame: Any) -> Any:

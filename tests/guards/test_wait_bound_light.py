@@ -206,3 +206,93 @@ def test_switched_off_nothing_is_attached():
     cs.build_connector_meta = lambda out: "meta"
     del cs.__dict__["build_connector_meta"]
     assert wait_bound.attach(cs) is False
+
+
+# -- blocks_held_by_stores: a lazy store walker's pins (the SimpleCPUOffloadConnector's shape) --
+class LazyCS:
+    """A connector scheduler with a lazy walker: it pins one more block in every
+    ``build_connector_meta`` while its switch is above 0 (never run out of blocks to store)."""
+
+    def __init__(self, target: int = 8) -> None:
+        self._target_free = target
+        self.pins = 0
+        self.walks = 0
+
+    def has_pending_stores(self) -> bool:
+        return self.pins > 0
+
+    def _prepare_lazy_store_specs(self):
+        free_queue = self.gpu_pool.free_block_queue  # noqa: F841 (the walker's shape)
+        if self.gpu_pool is None or self._target_free <= 0:
+            return []
+        return [1]
+
+    def build_connector_meta(self, scheduler_output):
+        if self._target_free > 0:
+            self.pins += 1
+            self.walks += 1
+        return "meta"
+
+
+class WaitingScheduler:
+    """The vLLM ``Scheduler``'s fields the hold reads, calling ``build_connector_meta`` as
+    ``schedule()`` does (so the hold finds it one frame up)."""
+
+    def __init__(self, cs, *waiting) -> None:
+        self.cs, self.waiting, self.running = cs, list(waiting), []
+
+    def update_from_output(self, *args) -> None:  # pragma: no cover - only its presence is read
+        pass
+
+    def schedule(self, tokens: int = 0):
+        return self.cs.build_connector_meta(Out(tokens))
+
+
+def test_the_lazy_walker_switch_is_found_by_shape():
+    assert wait_bound.lazy_store_switch(LazyCS) == "_target_free"
+    assert wait_bound.lazy_store_switch(CS) is None  # no walker: the hold is not watched
+
+
+@pytest.mark.parametrize("policy", ["guard", "observe"])
+def test_an_idle_engine_whose_stores_hold_blocks_stops_the_walker_after_the_bound(policy):
+    runtime.configure(policy=policy)
+    cs = LazyCS()
+    cs.pins = 1  # a store in flight
+    sched = WaitingScheduler(cs, Req("head"))
+    assert wait_bound.attach(cs) is True
+    for _ in range(5):  # the wait begins, then 4 observations without progress: the bound
+        sched.schedule()
+    walks = cs.walks
+    key = f"{names.WAIT_BLOCKS_HELD_BY_STORES}:"
+    for _ in range(3):
+        sched.schedule()
+    if policy == "guard":
+        assert cs.walks == walks  # no new pin while the engine idles
+        assert wait_bound.snapshot()[key + names.ACTION_STORES_WITHHELD] == 1
+    else:
+        assert cs.walks == walks + 3  # observe: counted once, vLLM unchanged
+        assert wait_bound.snapshot()[key + names.ACTION_CONTINUED] == 1
+    assert cs._target_free == 8  # the switch is vLLM's again after every call
+    sched.schedule(tokens=64)  # the engine scheduled: progress, the walker resumes
+    assert cs.__dict__[wait_bound.TABLE_ATTR].hold is None
+    walks = cs.walks
+    sched.schedule()
+    assert cs.walks == walks + 1
+    wait_bound.detach_all()
+
+
+def test_strict_raises_on_the_hold_and_no_hold_without_a_waiting_admission():
+    runtime.configure(policy="strict")
+    cs = LazyCS()
+    cs.pins = 1
+    sched = WaitingScheduler(cs, Req("parked", Status.WAITING_FOR_REMOTE_KVS))
+    wait_bound.attach(cs)
+    for _ in range(8):
+        sched.schedule()  # the head waits for its KV: its own wait, not this one
+    assert cs.__dict__[wait_bound.TABLE_ATTR].hold is None
+    sched.waiting = [Req("head")]
+    for _ in range(4):
+        sched.schedule()
+    with pytest.raises(AssertionError, match=names.WAIT_BLOCKS_HELD_BY_STORES):
+        sched.schedule()
+    wait_bound.detach_all()
