@@ -85,6 +85,17 @@ further ``kv_connector_extra_config`` keys the engine is built with (``eviction_
 written, so vLLM's own checks judge them. Values are JSON scalars; a key the lab derives
 from the geometry (:data:`kvguard.lab.knobs.LAB_KEYS`) is refused.
 
+Optional geometry field ``speculative`` (object, default none): speculative decoding,
+``{"method": "ngram" | "eagle" | "mtp", "num_speculative_tokens": k}`` (vLLM's
+``SpeculativeConfig``; ``eagle`` and ``mtp`` take the target's tiny config as their draft
+model, enough for the scheduler side, which reads ``use_eagle`` and the lookahead slots).
+The simulated worker proposes ``k`` draft tokens after every sampled token, the first
+``a`` of them the request's true next tokens and the rest wrong ones (``a`` drawn from the
+request id and output index, :func:`kvguard.lab.replay.worker.drafts`), verifies them as
+a target model would (the accepted prefix plus one token), and the forward writes the
+drafts' own KV, so a rejected draft's KV is in the block until the position is computed
+again. Not with ``async_scheduling`` or the SimpleCPUOffloadConnector yet (refused).
+
 Optional header object ``worker``: the simulated worker's transfer timing and faults
 (:class:`kvguard.lab.replay.jobs.WorkerModel`; absent = every job completes,
 successfully, in the step it is submitted)::
@@ -252,7 +263,14 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
 MAX_ENGINES = 4
 
 _OPTIONAL_FIELDS = ("extra_retained_tokens", "groups", "secondary_tiers", "async_scheduling", "connector",
-                    "extra_config")
+                    "extra_config", "speculative")
+
+#: ``geometry.speculative`` methods: vLLM's ``SpeculativeConfig.method`` values whose
+#: scheduler side the lab builds without a drafter's weights (``ngram`` needs no model;
+#: ``eagle`` and ``mtp`` are given the target's own tiny config as their draft model).
+SPECULATIVE_METHODS = ("ngram", "eagle", "mtp")
+#: the most ``num_speculative_tokens`` a trace may ask for
+MAX_SPECULATIVE_TOKENS = 8
 
 #: JSON types an ``extra_config`` value may have (vLLM reads them with ``int()``, ``bool()``,
 #: ``str``): no list or object, which would be a setting the lab builds itself.
@@ -291,6 +309,9 @@ class Geometry:
     #: operator settings: further ``kv_connector_extra_config`` keys, as sorted
     #: ``(key, value)`` pairs (``None``: vLLM's defaults); see the module docstring
     extra_config: tuple[tuple[str, Any], ...] | None = None
+    #: speculative decoding: ``(method, num_speculative_tokens)`` (``None``: off); see the
+    #: module docstring
+    speculative: tuple[str, int] | None = None
 
     def kv_groups(self) -> tuple[GroupGeometry, ...]:
         """The KV cache groups of this geometry, in vLLM's group order."""
@@ -319,6 +340,8 @@ class Geometry:
             out["connector"] = self.connector
         if self.extra_config is not None:
             out["extra_config"] = dict(self.extra_config)
+        if self.speculative is not None:
+            out["speculative"] = {"method": self.speculative[0], "num_speculative_tokens": self.speculative[1]}
         return out
 
     @property
@@ -361,6 +384,25 @@ class Geometry:
                 raise TraceError(str(exc)) from None
         if self.extra_config is not None:
             _validate_extra_config(self.extra_config)
+        if self.speculative is not None:
+            _validate_speculative(self)
+
+
+def _validate_speculative(geo: "Geometry") -> None:
+    """Raise :class:`TraceError` for a ``geometry.speculative`` the lab cannot drive."""
+    method, k = geo.speculative  # type: ignore[misc]
+    if method not in SPECULATIVE_METHODS:
+        raise TraceError(f"geometry.speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                         f"got {method!r}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise TraceError(f"geometry.speculative.num_speculative_tokens must be an int in "
+                         f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    if geo.async_scheduling:
+        raise TraceError("geometry.speculative: not with async_scheduling (the lab's batch queue "
+                         "does not carry draft tokens yet)")
+    if geo.connector != CONNECTORS[0]:
+        raise TraceError(f"geometry.speculative: not with the {geo.connector} yet (its simulated "
+                         "worker does not verify drafts)")
 
 
 def _validate_extra_config(pairs: tuple[tuple[str, Any], ...]) -> None:
@@ -601,6 +643,12 @@ def parse_trace(lines: Iterable[str], source: str = "<string>") -> Trace:
             geo["secondary_tiers"] = validate_tiers(geo["secondary_tiers"])
         except ValueError as exc:
             raise TraceError(f"{source}: {exc}") from None
+    if "speculative" in geo:
+        spec = geo["speculative"]
+        if not isinstance(spec, dict) or set(spec) != {"method", "num_speculative_tokens"}:
+            raise TraceError(f"{source}: geometry.speculative must be an object with method and "
+                             "num_speculative_tokens")
+        geo["speculative"] = (spec["method"], spec["num_speculative_tokens"])
     if "extra_config" in geo:
         settings = geo["extra_config"]
         if not isinstance(settings, dict):

@@ -529,6 +529,31 @@ CONNECTOR_SCHEDULER_ATTRS = {
 }
 
 
+def speculative_config(geometry: Geometry, model_config: Any, model_dir: str) -> Any:
+    """vLLM's ``SpeculativeConfig`` for ``geometry.speculative`` (``(method, k)``): ``ngram``
+    with no draft model (prompt lookup 2-4 tokens), ``eagle`` / ``mtp`` with the target's
+    own tiny config as the draft model (the scheduler side reads only the method and
+    ``k``). Bound by the release's declared fields; raises whatever vLLM raises for a
+    method it rejects, ``RuntimeError`` where the scheduler has no
+    ``update_draft_token_ids`` (the lab hands drafts over through it, as
+    ``EngineCore.post_step`` does)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if not hasattr(Scheduler, "update_draft_token_ids"):
+        raise RuntimeError(f"geometry.speculative: vLLM {vllm_version()}'s Scheduler has no "
+                           "update_draft_token_ids")
+    method, k = geometry.speculative  # type: ignore[misc]
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    kw: dict[str, Any] = {"method": method, "num_speculative_tokens": k,
+                          "target_model_config": model_config, "target_parallel_config": ParallelConfig()}
+    if method == "ngram":
+        kw.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    else:
+        kw["model"] = model_dir
+    return SpeculativeConfig(**{name: value for name, value in kw.items() if name in fields})
+
+
 def cache_policy_names() -> tuple[str, ...]:
     """The CPU tier's built-in ``eviction_policy`` names, from the installed vLLM's own
     registry: ``CachePolicyFactory``'s registered names (0.33.0 onwards:
@@ -623,6 +648,9 @@ def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
     )
+    speculative = {}
+    if geometry.speculative is not None:
+        speculative["speculative_config"] = speculative_config(geometry, model_config, model_dir)
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -631,6 +659,7 @@ def build_scheduler(geometry: Geometry, connector: str = "OffloadingConnector",
         # The scheduler is platform-independent; on a machine without a GPU vLLM
         # cannot infer a device, so name one (nothing is allocated on it).
         device_config=DeviceConfig(device="cpu"),
+        **speculative,
     )
     # The hybrid KVCacheConfig above is what a GPU worker reports with the hybrid KV
     # cache manager on (production runs ``--no-disable-hybrid-kv-cache-manager``). On
