@@ -379,6 +379,10 @@ def count_settings(settings: dict[str, int], trace: Trace) -> None:
     for key, value in getattr(trace.geometry, "extra_config", None) or ():
         name = f"{key}={json.dumps(value)}"
         settings[name] = settings.get(name, 0) + 1
+    spec = getattr(trace.geometry, "speculative", None)
+    if spec is not None:  # ``speculative=<method>``: drawn with the settings (strategies.speculative)
+        name = f"speculative={spec[0]}"
+        settings[name] = settings.get(name, 0) + 1
 
 
 def count_layout(layouts: dict[str, Any], trace: Trace) -> None:

@@ -630,7 +630,8 @@ def traces(
     made fit for it (:func:`for_simple_connector`). ``epochs`` > 1 (``kvguard fuzz
     --epochs``): the traffic becomes a :func:`lifetime`; then engines sharing an fs tier
     (:func:`shared_engines`) and, last of all, the operator's settings
-    (:func:`operator_settings`), unless ``draw_settings`` is false (``kvguard fuzz
+    (:func:`operator_settings`) and speculative decoding (:func:`speculative`, the
+    operator's ``--speculative-config``), unless ``draw_settings`` is false (``kvguard fuzz
     --default-settings``: no draw, vLLM's defaults, the examples of a checkout before the
     settings were drawn)."""
     geo = draw(geometry(kv_layouts=kv_layouts))
@@ -656,6 +657,10 @@ def traces(
         drawn = draw(operator_settings(geo))
         if drawn:
             geo = dataclasses.replace(geo, extra_config=drawn)
+        if SPECULATIVE:
+            spec = draw(speculative(geo))
+            if spec is not None:
+                geo = dataclasses.replace(geo, speculative=spec)
     return Trace(
         name=name,
         geometry=geo,
@@ -667,6 +672,47 @@ def traces(
 
 #: The trace format has operator settings (``geometry.extra_config``).
 SETTINGS = "extra_config" in {f.name for f in dataclasses.fields(Geometry)}
+#: The trace format has speculative decoding (``geometry.speculative``).
+SPECULATIVE = "speculative" in {f.name for f in dataclasses.fields(Geometry)}
+
+
+@st.composite
+def speculative(draw: st.DrawFn, geo: Geometry) -> tuple[str, int] | None:
+    """``geometry.speculative`` for half the examples the lab can speculate in (the
+    OffloadingConnector with synchronous scheduling: the trace format refuses the others):
+    a method the installed release builds for the lab's model (:func:`speculative_methods`)
+    and 1..4 draft tokens per step; None for the other half and where no method builds."""
+    methods = speculative_methods()
+    if not methods or geo.connector != CONNECTORS[0] or geo.async_scheduling or not draw(st.booleans()):
+        return None
+    return (draw(st.sampled_from(methods)), draw(st.integers(1, 4)))
+
+
+def speculative_methods() -> tuple[str, ...]:
+    """The :data:`~kvguard.lab.replay.trace.SPECULATIVE_METHODS` the installed vLLM builds a
+    scheduler for with the lab's tiny model (``mtp`` needs 0.34.0's config; a release whose
+    ``Scheduler`` has no ``update_draft_token_ids`` builds none). Probed once per process by
+    building one small engine per method."""
+    global _SPEC_METHODS
+    if _SPEC_METHODS is None:
+        from kvguard.lab.replay import vllm_api
+        from kvguard.lab.replay.trace import SPECULATIVE_METHODS
+
+        ok = []
+        for method in SPECULATIVE_METHODS:
+            geo = Geometry(tokens_per_block=16, tokens_per_chunk=16, sliding_window=64, num_gpu_blocks=64,
+                           cpu_chunks=8, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256,
+                           vocab_size=VOCAB_SIZE, speculative=(method, 2))
+            try:
+                vllm_api.build_scheduler(geo)
+            except (RuntimeError, ImportError):
+                continue
+            ok.append(method)
+        _SPEC_METHODS = tuple(ok)
+    return _SPEC_METHODS
+
+
+_SPEC_METHODS: tuple[str, ...] | None = None
 
 #: ``store_threshold`` values drawn (vLLM: "Values < 2 disable filtering", 0 the default).
 STORE_THRESHOLDS = (0, 2, 3)

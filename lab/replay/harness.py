@@ -327,6 +327,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None,
             vocab_size=geometry.vocab_size,
             model=worker_model or WorkerModel(),
             blocks_per_chunk=geometry.blocks_per_chunk,
+            speculative_tokens=geometry.speculative[1] if geometry.speculative else 0,
         )
     tap = None
     if geometry.secondary_tiers:
@@ -757,6 +758,11 @@ class _Replay:
         t2 = time.perf_counter()
         for done_out in self.queue.push(sched_out, model_out, scheduler.has_requests()):
             scheduler.update_from_output(*done_out)
+        if sched_out.total_num_scheduled_tokens and getattr(self.engine.worker, "speculative_tokens", 0):
+            # EngineCore.post_step (synchronous scheduling): the drafter's proposals
+            drafts = self.engine.worker.take_draft_token_ids()
+            if drafts is not None:
+                scheduler.update_draft_token_ids(drafts)
         t3 = time.perf_counter()
         c3 = time.thread_time()
         g3 = full_gc[0]

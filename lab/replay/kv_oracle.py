@@ -286,6 +286,19 @@ class KVOracle:
         self._codes[req_id] = codes
         return codes
 
+    def with_tokens(self, codes: np.ndarray, start: int, token_ids: Sequence[int]) -> np.ndarray:
+        """A copy of ``codes`` (a request's :meth:`token_codes`) up to ``start +
+        len(token_ids)`` with positions ``start ..`` holding ``token_ids`` instead: the slot
+        codes of speculative drafts, whose KV the forward writes whether or not they are the
+        request's tokens (a rejected draft's KV stays in its slot until the position is
+        computed again)."""
+        end = start + len(token_ids)
+        out = np.array(codes[:end], np.int64)
+        if len(out) < end:
+            out = np.concatenate([out, np.zeros(end - len(out), np.int64)])
+        out[start:end] = np.asarray(token_ids, np.int64) + np.arange(start, end, dtype=np.int64) * self._base + 1
+        return out
+
     def forget(self, req_id: str) -> None:
         """Drop the cached token codes of a finished request (storage is not touched)."""
         self._codes.pop(req_id, None)

@@ -551,7 +551,11 @@ def speculative_config(geometry: Geometry, model_config: Any, model_dir: str) ->
         kw.update(prompt_lookup_max=4, prompt_lookup_min=2)
     else:
         kw["model"] = model_dir
-    return SpeculativeConfig(**{name: value for name, value in kw.items() if name in fields})
+    try:
+        return SpeculativeConfig(**{name: value for name, value in kw.items() if name in fields})
+    except NotImplementedError as exc:  # e.g. mtp on a release whose MTP needs a model type with MTP layers
+        raise RuntimeError(f"geometry.speculative: vLLM {vllm_version()} refuses method {method!r} "
+                           f"for the lab's model: {exc}") from exc
 
 
 def cache_policy_names() -> tuple[str, ...]:

@@ -133,6 +133,20 @@ def sampled_token(req_id: str, index: int, vocab_size: int) -> int:
     return zlib.crc32(f"{req_id}:{index}".encode()) % (vocab_size - 1) + 1
 
 
+def drafts(req_id: str, index: int, k: int, vocab_size: int) -> list[int]:
+    """The ``k`` draft tokens the simulated drafter proposes for output positions ``index ..
+    index + k - 1`` of ``req_id``: the first ``a = crc32(f"draft:{req_id}:{index}") % (k + 1)``
+    are the request's true tokens (:func:`sampled_token`: what the target samples, so
+    verification accepts them), the others a wrong token each (the true one plus one, within
+    the vocabulary), so every count of accepted drafts from 0 to ``k`` occurs."""
+    a = zlib.crc32(f"draft:{req_id}:{index}".encode()) % (k + 1)
+    out = []
+    for j in range(k):
+        true = sampled_token(req_id, index + j, vocab_size)
+        out.append(true if j < a else true % (vocab_size - 1) + 1)
+    return out
+
+
 class SimulatedTransfers:
     """The copy engine under vLLM's ``OffloadingConnectorWorker`` (the oracle copies fingerprints).
 
@@ -216,7 +230,14 @@ class SimulatedWorker:
     copy_engine_jobs: dict[int, Any] = field(default_factory=dict)
     #: engine steps executed so far (the job queue's clock)
     step: int = 0
+    #: speculative decoding: draft tokens proposed per sampled token (0: off;
+    #: ``geometry.speculative``'s ``num_speculative_tokens``)
+    speculative_tokens: int = 0
+    #: drafts proposed and accepted so far (the replay report's ``speculative``)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
     queue: JobQueue = field(init=False)
+    _drafts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
     _connector: Any = field(default=None, init=False, repr=False)
     _job_req: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _job_specs: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
@@ -340,14 +361,48 @@ class SimulatedWorker:
         self.step += 1
         worker_meta = kv.get("kv_connector_worker_meta")
         self.jobs_completed += len(getattr(worker_meta, "completed_jobs", None) or ())
+        req_ids, sampled = sample(self.scheduler, scheduler_output, self.vocab_size)
+        if self.speculative_tokens:
+            self._propose(scheduler_output, req_ids, sampled)
+        return vllm_api.model_runner_output(req_ids, sampled, kv)
 
-        return vllm_api.model_runner_output(*sample(self.scheduler, scheduler_output, self.vocab_size), kv)
+    def _propose(self, scheduler_output: Any, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The drafter's proposal after this step's verification: :func:`drafts` for the
+        position after each request's last sampled token (none for a partial prefill),
+        handed to the scheduler by :meth:`take_draft_token_ids`."""
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        k = self.speculative_tokens
+        for req_id, tokens in zip(req_ids, sampled):
+            if not tokens:
+                continue
+            scheduled = spec.get(req_id) or ()
+            self.drafts_proposed += len(scheduled)
+            self.drafts_accepted += len(tokens) - 1
+            req = self.scheduler.requests.get(req_id)
+            if req is None:
+                continue
+            # the index of the token after the last one sampled now (see sample())
+            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens) - len(scheduled) + len(tokens)
+            self._drafts[req_id] = drafts(req_id, index, k, self.vocab_size)
+
+    def take_draft_token_ids(self) -> Any:
+        """The step's drafts as vLLM's ``DraftTokenIds`` (``req_ids``, ``draft_token_ids``), or
+        None: what ``EngineCore.post_step`` hands to ``Scheduler.update_draft_token_ids``."""
+        if not self._drafts:
+            return None
+        from vllm.v1.outputs import DraftTokenIds
+
+        req_ids = list(self._drafts)
+        out = DraftTokenIds(req_ids, [self._drafts[r] for r in req_ids])
+        self._drafts = {}
+        return out
 
 
 def forward(oracle: "KVOracle", scheduler: Any, scheduler_output: Any) -> None:
     """The forward, in the oracle: each scheduled request's scheduled tokens are written into
     its blocks (``kv_cache_manager.get_block_ids``, every KV cache group)."""
     manager = scheduler.kv_cache_manager
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
     for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
         req = scheduler.requests.get(req_id)
         if req is None or not num_scheduled:
@@ -355,6 +410,10 @@ def forward(oracle: "KVOracle", scheduler: Any, scheduler_output: Any) -> None:
         end = int(req.num_computed_tokens)  # schedule() already added the scheduled tokens
         start = end - int(num_scheduled)
         codes = oracle.token_codes(req_id)
+        scheduled_drafts = spec.get(req_id)
+        if scheduled_drafts:
+            # the last len(drafts) scheduled positions hold the drafts' own KV, right or not
+            codes = oracle.with_tokens(codes, end - len(scheduled_drafts), scheduled_drafts)
         for group, table in enumerate(manager.get_block_ids(req_id)):
             oracle.computed_range(req_id, group, table, start, end, codes)
 
@@ -364,15 +423,23 @@ def sample(scheduler: Any, scheduler_output: Any, vocab_size: int) -> tuple[list
     scheduled request whose prompt is computed after it, none for a partial prefill chunk."""
     req_ids: list[str] = []
     sampled: list[list[int]] = []
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
     for req_id in scheduler_output.num_scheduled_tokens:
         req = scheduler.requests.get(req_id)
         req_ids.append(req_id)
         if req is not None and req.num_computed_tokens >= req.num_tokens:
             # the token after the last computed position; synchronously that index is
             # len(output_token_ids), under async scheduling it is ahead of it by the
-            # outputs still in flight (num_output_placeholders)
-            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens)
-            sampled.append([sampled_token(req_id, index, vocab_size)])
+            # outputs still in flight (num_output_placeholders); with m drafts scheduled the
+            # last m computed positions are theirs
+            scheduled_drafts = spec.get(req_id) or ()
+            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens) - len(scheduled_drafts)
+            out = [sampled_token(req_id, index, vocab_size)]
+            for draft in scheduled_drafts:  # a target verifies: the accepted prefix, plus one
+                if draft != out[-1]:
+                    break
+                out.append(sampled_token(req_id, index + len(out), vocab_size))
+            sampled.append(out)
         else:
             sampled.append([])  # a partial prefill chunk samples nothing
     return req_ids, sampled
