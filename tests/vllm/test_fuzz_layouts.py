@@ -151,11 +151,13 @@ def test_the_setter_found_is_vllms_one_value_for_every_sliding_window_layer() ->
 
 def test_every_sliding_window_group_of_an_example_shares_one_extra_retained_tokens() -> None:
     """As vLLM builds it (one value for every SlidingWindowSpec of an engine); the seed-3
-    examples do include layouts of two or more sliding windows that keep extra tokens."""
+    examples do include layouts of two or more sliding windows that keep extra tokens (120
+    examples: since speculative decoding is drawn too, the first 60 of seed 3 have none;
+    measured 7 Dec 2026 on 0.34.0: 21 of 120)."""
     _unless_drawn("groups")
     _unless_drawn("extra_retained_tokens")
     several = 0
-    for trace in runner.generate(3, 60):
+    for trace in runner.generate(3, 120):
         windows = [g for g in trace.geometry.kv_groups() if g.kind == "sliding_window"]
         assert len({g.extra_retained_tokens for g in windows}) <= 1, trace.geometry.to_json()
         several += len(windows) >= 2 and windows[0].extra_retained_tokens > 0

@@ -59,6 +59,16 @@ def _run(trace: Trace, guard: bool):
     return engine, harness.run_replay(trace, guard=guard, engine=engine)
 
 
+_PLAIN: dict[bool, object] = {}
+
+
+def _plain(guard: bool):
+    """The trace without speculation (one replay per guard mode for the whole module)."""
+    if guard not in _PLAIN:
+        _PLAIN[guard] = _run(_trace(None), guard)[1]
+    return _PLAIN[guard]
+
+
 def test_drafts_mix_true_and_wrong_tokens() -> None:
     """Every count of accepted drafts 0..k occurs, and a wrong draft is never the true token."""
     seen = set()
@@ -80,7 +90,7 @@ def test_a_speculative_replay_serves_the_same_tokens_on_the_right_kv(method: str
     except RuntimeError as exc:  # the release refuses the method for the lab's model
         assert method == "mtp" and "refuses method 'mtp'" in str(exc), exc
         return
-    _, plain = _run(_trace(None), guard)
+    plain = _plain(guard)
     assert result.ok and result.finished == result.submitted == 4, (result.error, result.stalls)
     assert result.wrong_kv_blocks == 0
     assert result.outputs == plain.outputs  # the target decides every token
