@@ -1155,6 +1155,41 @@ def model_runner_output(req_ids: list[str], sampled: list[list[int]], kv: dict[s
 
 
 @functools.cache
+def _installed_assert(folder: str, class_name: str, attr: str, method: str | None = None) -> str | None:
+    """The first ``assert`` whose test reads attribute ``attr`` in class ``class_name``
+    (its ``method`` only, or any method) of the installed vLLM's sources under ``folder``
+    (a path inside the ``vllm`` package), read with ``ast`` and never imported; returns
+    ``"vllm/<path>:<line> in <method>"``, or None (no vLLM, no such class or assert)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    root = Path(spec.origin).parent
+    base = root / folder
+    for path in sorted(base.rglob("*.py")) if base.is_dir() else ():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if f"class {class_name}" not in text:
+            continue
+        for cls in ast.walk(ast.parse(text)):
+            if not (isinstance(cls, ast.ClassDef) and cls.name == class_name):
+                continue
+            for func in cls.body:
+                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if method is not None and func.name != method:
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Assert) and any(
+                        isinstance(a, ast.Attribute) and a.attr == attr for a in ast.walk(node.test)
+                    ):
+                        rel = path.relative_to(root.parent).as_posix()
+                        return f"{rel}:{node.lineno} in {func.name}"
+    return None
+
+
 def failed_transfer_assert() -> str | None:
     """Where the installed connector worker asserts that a transfer succeeded, or None.
 
@@ -1167,31 +1202,7 @@ def failed_transfer_assert() -> str | None:
     success=False)``, and a failed load's request in ``failed_recving``).
     Returns ``"vllm/<path>:<line> in <method>"``.
     """
-    import ast
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.origin:
-        return None
-    root = Path(spec.origin).parent
-    for path in sorted((root / "distributed" / "kv_transfer" / "kv_connector" / "v1").rglob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if "class OffloadingConnectorWorker" not in text:
-            continue
-        for cls in ast.walk(ast.parse(text)):
-            if not (isinstance(cls, ast.ClassDef) and cls.name == "OffloadingConnectorWorker"):
-                continue
-            for func in cls.body:
-                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                for node in ast.walk(func):
-                    if isinstance(node, ast.Assert) and any(
-                        isinstance(a, ast.Attribute) and a.attr == "success" for a in ast.walk(node.test)
-                    ):
-                        rel = path.relative_to(root.parent).as_posix()
-                        return f"{rel}:{node.lineno} in {func.name}"
-    return None
+    return _installed_assert("distributed/kv_transfer/kv_connector/v1", "OffloadingConnectorWorker", "success")
 
 
 def simple_full_attention_assert() -> str | None:
@@ -1207,32 +1218,7 @@ def simple_full_attention_assert() -> str | None:
     that connector (:func:`kvguard.lab.fuzz.strategies.for_simple_connector`).
     Returns ``"vllm/<path>:<line> in __init__"``.
     """
-    import ast
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.origin:
-        return None
-    root = Path(spec.origin).parent
-    folder = root / "v1" / "simple_kv_offload"
-    for path in sorted(folder.rglob("*.py")) if folder.is_dir() else ():
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if "class SimpleCPUOffloadScheduler" not in text:
-            continue
-        for cls in ast.walk(ast.parse(text)):
-            if not (isinstance(cls, ast.ClassDef) and cls.name == "SimpleCPUOffloadScheduler"):
-                continue
-            for func in cls.body:
-                if not (isinstance(func, ast.FunctionDef) and func.name == "__init__"):
-                    continue
-                for node in ast.walk(func):
-                    if isinstance(node, ast.Assert) and any(
-                        isinstance(a, ast.Attribute) and a.attr == "fa_gidx" for a in ast.walk(node.test)
-                    ):
-                        rel = path.relative_to(root.parent).as_posix()
-                        return f"{rel}:{node.lineno} in __init__"
-    return None
+    return _installed_assert("v1/simple_kv_offload", "SimpleCPUOffloadScheduler", "fa_gidx", method="__init__")
 
 
 def load_failure_policy() -> str | None:
