@@ -88,6 +88,8 @@ def table(result: dict[str, Any]) -> str:
             f"better {v['better']}, same {v['same']}, no better {v['no_better']}, WORSE {v['worse']}; "
             f"hits cut where vLLM alone served every request (price, by check): {price}"
         )
+        for check, paths in sorted((diff.get("price_traces") or {}).items()):
+            lines.append(f"  price traces of {check}: " + ", ".join(paths))
     lay = result.get("layouts")
     if lay:
         groups = ", ".join(f"{n}: {c}" for n, c in sorted(lay["kv_cache_groups"].items()))

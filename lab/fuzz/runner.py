@@ -43,7 +43,7 @@ from kvguard.lab.replay.trace import Trace
 #: Replays one class may spend on shrinking (default of ``--shrink-replays``).
 SHRINK_REPLAYS = 120
 #: Public issues a class matches, by the vLLM function it died in and the assert text
-#: (see ../shared/research/offload-bug-reports.md). A hint for the reader, never used to
+#: (each row names the public vLLM issue). A hint for the reader, never used to
 #: decide what a finding is.
 KNOWN_ISSUES: tuple[tuple[str, str, str], ...] = (
     ("GPULoadStoreSpec.__init__", "group_sizes", "vLLM #42945 (store group_sizes counts null blocks)"),
@@ -476,6 +476,26 @@ def generate(
     return out
 
 
+# price traces kept per check (each can be a long life's whole trace: bounded on disk)
+PRICE_TRACES = 5
+
+
+def _write_price_trace(out_dir: Path, check: str, index: int, trace: Trace) -> str:
+    """Write the trace of example ``index``, where ``check`` cut a hit vLLM alone served.
+
+    The file is ``<out_dir>/price/<check>-example<index>.jsonl`` (the trace as explored,
+    unshrunk, named ``price-<check>-example<index>``); returns its path.
+    """
+    folder = out_dir / "price"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{check}-example{index}.jsonl"
+    named = dataclasses.replace(
+        trace, name=f"price-{check}-example{index}",
+        description=f"kvguard fuzz: example {index}, where {check} cut a hit vLLM alone served whole")
+    path.write_text(named.dumps(), encoding="utf-8")
+    return str(path)
+
+
 def fuzz(
     *,
     seed: int = 0,
@@ -519,7 +539,9 @@ def fuzz(
     example is the kvguard-bug class ``worse-than-vllm-alone after <checks>``. The report's
     ``differential`` object counts the verdicts, the verdicts per check that acted
     (``by_check``: any action but ``tolerated``) and, per check, the examples where it cut
-    a hit vLLM alone served whole (``price``).
+    a hit vLLM alone served whole (``price``), and the traces of the first
+    :data:`PRICE_TRACES` of those examples per check (``price_traces``: paths under
+    ``<out_dir>/price/``, each replayable with ``kvguard replay --trace``).
     """
     from kvguard.lab.fuzz import strategies
     from kvguard.lab.fuzz.differential import VERDICTS, Summary, acted, acting_checks, to_compare
@@ -572,6 +594,10 @@ def fuzz(
     # verdict -> examples, and per check the examples where it cut a hit vLLM alone served
     differential_counts: dict[str, int] = {v: 0 for v in VERDICTS}
     price: dict[str, int] = {}
+    # the traces of the examples behind each check's price, <out>/price/, at most
+    # PRICE_TRACES per check: a cut is traced from its example, and a budget run cannot be
+    # regenerated example by example
+    price_traces: dict[str, list[str]] = {}
     # per check that acted (any action but tolerated): verdict -> examples
     by_check: dict[str, dict[str, int]] = {}
     invalid_reasons: dict[str, int] = {}
@@ -658,6 +684,9 @@ def fuzz(
                 differential_counts[verdict.verdict] += 1
                 for check in verdict.price:
                     price[check] = price.get(check, 0) + 1
+                    kept = price_traces.setdefault(check, [])
+                    if len(kept) < PRICE_TRACES:
+                        kept.append(_write_price_trace(out_path, check, index, trace))
                 for check in acting_checks(outcome.actions):
                     row = by_check.setdefault(check, {v: 0 for v in differential_counts})
                     row[verdict.verdict] += 1
@@ -762,7 +791,8 @@ def fuzz(
         "settings": dict(sorted(settings.items())),
         "kvguard_bugs": sum(1 for c in out_classes if c["kvguard_bug"]),
         "differential": (
-            {"enabled": True, "verdicts": differential_counts, "price": price, "by_check": by_check,
+            {"enabled": True, "verdicts": differential_counts, "price": price, "price_traces": price_traces,
+             "by_check": by_check,
              "worse_examples": differential_counts["worse"]}
             if guard and differential else {"enabled": False}
         ),

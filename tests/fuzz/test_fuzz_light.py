@@ -449,3 +449,16 @@ def test_copy_coverage_skips_that_could_admit_an_unread_load_are_counted() -> No
     assert unchecked_copy_admits(checks, names.POLICY_STRICT) == 2
     assert unchecked_copy_admits(checks, names.POLICY_OBSERVE) == 7
     assert unchecked_copy_admits({}, names.POLICY_GUARD) == 0
+
+
+def test_a_price_example_is_written_where_it_can_be_replayed_and_stays_the_same_traffic(tmp_path):
+    from kvguard.lab.fuzz import runner
+    from kvguard.lab.replay.trace import load_trace
+
+    trace = load_trace("seed-48959")
+    path = runner._write_price_trace(tmp_path, "copy_coverage", 17, trace)
+    assert path == str(tmp_path / "price" / "copy_coverage-example17.jsonl")
+    again = load_trace(path)  # what `kvguard replay --trace PATH` reads
+    assert again.name == "price-copy_coverage-example17" and "copy_coverage" in again.description
+    # only the name and the description change: the same geometry and the same requests
+    assert dataclasses.replace(again, name=trace.name, description=trace.description) == trace

@@ -295,6 +295,11 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path, seed, no_lost_requests):
     assert (diff["verdicts"]["worse"] == 0) == (not worse)
     assert sum(diff["verdicts"].values()) >= r["acted_examples"]
     assert "promotion_fit" not in diff["price"] and "promotion_progress" not in diff["price"]  # retired
+    # each check's price keeps the traces of its first examples, to be traced from
+    assert set(diff["price_traces"]) == set(diff["price"])
+    for check, n in diff["price"].items():
+        kept = diff["price_traces"][check]
+        assert len(kept) == min(n, runner.PRICE_TRACES) and all(os.path.isfile(p) for p in kept)
     if no_lost_requests:  # no request lost, no stall of any kind
         assert lost == {} and r["requests_lost"] == 0
         assert not [c for c in r["classes"] if c["kind"] == "stall"]
