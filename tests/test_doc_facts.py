@@ -66,8 +66,10 @@ def _cli_commands() -> set[str]:
     return set(cli._COMMANDS)
 
 
-def _lines():
-    for page in _pages():
+def _lines(every_page: bool = False):
+    """``(page:line, text)`` of the pages checked (``every_page``: the history pages too)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))] if every_page else _pages()
+    for page in pages:
         rel = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
         for number, line in enumerate(page.read_text().splitlines(), 1):
             yield f"{rel}:{number}", line
@@ -173,3 +175,48 @@ def test_the_operators_pages_carry_no_project_history():
              for n, line in enumerate((ROOT / "docs" / p).read_text().splitlines(), 1)
              for m in [HISTORY_MARK.search(line)] if m]
     assert not found, "\n".join(found)
+
+
+#: the project's own issue numbers ("issue 31", "issues 2, 3"; vLLM's are "vLLM #N" / "vllm#N")
+PROJECT_ISSUE = re.compile(r"\b[Ii]ssues? \d+\b")
+#: a path outside the repository (the project's design notes, a machine's work dir)
+OUTSIDE_PATH = re.compile(r"\.\./shared\b|(?<![\w.])/work/")
+
+
+def test_no_page_names_a_project_issue_or_a_file_outside_the_repository():
+    """Every page, the lab notebook included, reads on its own: the project's issue numbers
+    mean nothing to a reader of the site, and a file outside the repository is not there."""
+    found = [f"{where}: {m.group(0)}" for where, line in _lines(every_page=True)
+             for rx in (PROJECT_ISSUE, OUTSIDE_PATH) for m in rx.finditer(line)]
+    assert not found, "\n".join(found)
+    # not vacuous: both patterns catch what they are for, and leave vLLM's issues alone
+    assert PROJECT_ISSUE.search("(issue 31)") and OUTSIDE_PATH.search("`../shared/DESIGN.md`")
+    assert not PROJECT_ISSUE.search("vLLM #48959") and not OUTSIDE_PATH.search("docs/replay.md")
+
+
+def test_make_docs_fails_on_a_planted_wrong_metric_a_missing_alert_row_and_an_unknown_target(tmp_path):
+    """``make docs`` (in ``make test``, so in CI) runs these checks before it builds the site:
+    in a copy of the repository whose README names a metric and a make target that do not
+    exist and whose alert table lost a row, it fails and names each of the three."""
+    import shutil
+    import subprocess
+
+    copy = tmp_path / "repo"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    (copy / ".venvs").symlink_to(ROOT / ".venvs")  # the light environment, already built
+    readme = copy / "README.md"
+    readme.write_text(readme.read_text() + "\n`kvguard_planted_metric_total` and `make planted-target`\n")
+    deploy = copy / "docs" / "deploy.md"
+    text = deploy.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `KVGuardSidecarBlind` |"))
+    deploy.write_text(text.replace(row + "\n", ""))
+    out = subprocess.run(["make", "--no-print-directory", "docs"], cwd=copy, capture_output=True, text=True)
+    assert out.returncode != 0
+    for fact in ("metric or field kvguard_planted_metric_total is declared nowhere",
+                 "make target planted-target is not in the Makefile",
+                 "docs/deploy.md: alert KVGuardSidecarBlind has no row"):
+        assert fact in out.stdout + out.stderr, fact
