@@ -128,6 +128,14 @@ def test_every_check_and_action_label_value_is_in_its_reference_page():
     policies = (ROOT / "docs" / "policies.md").read_text()
     missing = [f"docs/settings.md: check {c} is not named" for c in names.CHECKS if f"`{c}`" not in settings]
     missing += [f"docs/policies.md: action {a} is not named" for a in names.ACTIONS if f"`{a}`" not in policies]
+    missing += [f"docs/settings.md: action {a} is not named" for a in names.ACTIONS if f"`{a}`" not in settings]
+    # the runbook of the alert that fires on them (the wait bound's checks and actions have
+    # their own alert and runbook, KVGuardRequestWaitStalled)
+    runbook = (ROOT / "docs" / "runbooks" / "KVGuardInvariantViolation.md").read_text()
+    wait_only = {names.CHECK_WAIT_BOUND, names.ACTION_STORES_WITHHELD}
+    missing += [f"docs/runbooks/KVGuardInvariantViolation.md: {kind} {v} has no row"
+                for kind, values in (("check", names.CHECKS), ("action", names.ACTIONS))
+                for v in values if v not in wait_only and f"`{v}`" not in runbook]
     assert not missing, "\n".join(missing)
 
 
