@@ -10,7 +10,7 @@ VLLM ?= 0.25.1
 # Full environments: the three first read, plus 0.26.0 (the last strict-bound release)
 # and 0.29.0 (where the window check once went unevaluated): issue 8; 0.34.0, the newest
 # release (issue 20). test-vllm runs them in two lanes side by side (below); VLLM_VERSIONS
-# is their union. A new release: README "A new vLLM release".
+# is their union. A new release: docs/versions.md, "A new vLLM release".
 VLLM_LANE_1 := 0.21.0 0.25.1 0.26.0
 VLLM_LANE_2 := 0.34.0 0.33.0 0.29.0
 VLLM_VERSIONS := $(sort $(VLLM_LANE_1) $(VLLM_LANE_2))
