@@ -678,12 +678,12 @@ SPECULATIVE = "speculative" in {f.name for f in dataclasses.fields(Geometry)}
 
 @st.composite
 def speculative(draw: st.DrawFn, geo: Geometry) -> tuple[str, int] | None:
-    """``geometry.speculative`` for half the examples the lab can speculate in (the
-    OffloadingConnector with synchronous scheduling: the trace format refuses the others):
+    """``geometry.speculative`` for half the examples the lab can speculate in (either
+    connector, synchronous scheduling: the trace format refuses async scheduling with drafts):
     a method the installed release builds for the lab's model (:func:`speculative_methods`)
     and 1..4 draft tokens per step; None for the other half and where no method builds."""
     methods = speculative_methods()
-    if not methods or geo.connector != CONNECTORS[0] or geo.async_scheduling or not draw(st.booleans()):
+    if not methods or geo.async_scheduling or not draw(st.booleans()):
         return None
     return (draw(st.sampled_from(methods)), draw(st.integers(1, 4)))
 

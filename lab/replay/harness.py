@@ -320,6 +320,7 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None,
             vocab_size=geometry.vocab_size,
             model=worker_model or WorkerModel(),
             num_cpu_blocks=vllm_api.simple_num_cpu_blocks(parts.connector_scheduler),
+            speculative_tokens=geometry.speculative[1] if geometry.speculative else 0,
         )
     else:
         worker = SimulatedWorker(

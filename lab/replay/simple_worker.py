@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvguard.lab.replay import vllm_api
 from kvguard.lab.replay.jobs import JobQueue, PendingJob, WorkerModel
-from kvguard.lab.replay.worker import FAULTS, InFlightTokens, WorkerHang, forward, sample
+from kvguard.lab.replay.worker import FAULTS, Drafting, InFlightTokens, WorkerHang, forward, sample
 
 if TYPE_CHECKING:
     from kvguard.lab.replay.kv_oracle import KVOracle
@@ -104,7 +104,7 @@ class EventRecord:
 
 
 @dataclass
-class SimpleWorker:
+class SimpleWorker(Drafting):
     """The SimpleCPUOffloadConnector's worker at its boundary (module docstring).
 
     The same interface as :class:`~.worker.SimulatedWorker` (``execute``, ``busy``,
@@ -267,4 +267,7 @@ class SimpleWorker:
             "kv_connector_worker_meta": (
                 vllm_api.simple_worker_metadata({rec.event: 1 for rec in stores}) if stores else None),
         }
-        return vllm_api.model_runner_output(*sample(self.scheduler, scheduler_output, self.vocab_size), kv)
+        req_ids, sampled = sample(self.scheduler, scheduler_output, self.vocab_size)
+        if self.speculative_tokens:
+            self._propose(scheduler_output, req_ids, sampled)
+        return vllm_api.model_runner_output(req_ids, sampled, kv)

@@ -400,9 +400,6 @@ def _validate_speculative(geo: "Geometry") -> None:
     if geo.async_scheduling:
         raise TraceError("geometry.speculative: not with async_scheduling (the lab's batch queue "
                          "does not carry draft tokens yet)")
-    if geo.connector != CONNECTORS[0]:
-        raise TraceError(f"geometry.speculative: not with the {geo.connector} yet (its simulated "
-                         "worker does not verify drafts)")
 
 
 def _validate_extra_config(pairs: tuple[tuple[str, Any], ...]) -> None:

@@ -195,8 +195,56 @@ class SimulatedTransfers:
         pass
 
 
+@dataclass(kw_only=True)
+class Drafting:
+    """The simulated drafter both workers share (:class:`SimulatedWorker`,
+    :class:`~.simple_worker.SimpleWorker`): after each step's verification it proposes
+    ``speculative_tokens`` drafts per request (:func:`drafts`), which the harness hands to
+    ``Scheduler.update_draft_token_ids`` as ``EngineCore.post_step`` does. The worker
+    provides ``scheduler`` and ``vocab_size``."""
+
+    #: speculative decoding: draft tokens proposed per sampled token (0: off;
+    #: ``geometry.speculative``'s ``num_speculative_tokens``)
+    speculative_tokens: int = 0
+    #: drafts proposed and accepted so far (the replay report's ``speculative``)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    _drafts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
+
+    def _propose(self, scheduler_output: Any, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The drafter's proposal after this step's verification: :func:`drafts` for the
+        position after each request's last sampled token (none for a partial prefill),
+        handed to the scheduler by :meth:`take_draft_token_ids`."""
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        k = self.speculative_tokens
+        for req_id, tokens in zip(req_ids, sampled):
+            if not tokens:
+                continue
+            scheduled = spec.get(req_id) or ()
+            self.drafts_proposed += len(scheduled)
+            self.drafts_accepted += len(tokens) - 1
+            req = self.scheduler.requests.get(req_id)
+            if req is None:
+                continue
+            # the index of the token after the last one sampled now (see sample())
+            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens) - len(scheduled) + len(tokens)
+            self._drafts[req_id] = drafts(req_id, index, k, self.vocab_size)
+
+    def take_draft_token_ids(self) -> Any:
+        """The step's drafts as vLLM's ``DraftTokenIds`` (``req_ids``, ``draft_token_ids``), or
+        None: what ``EngineCore.post_step`` hands to ``Scheduler.update_draft_token_ids``."""
+        if not self._drafts:
+            return None
+        from vllm.v1.outputs import DraftTokenIds
+
+        req_ids = list(self._drafts)
+        out = DraftTokenIds(req_ids, [self._drafts[r] for r in req_ids])
+        self._drafts = {}
+        return out
+
+
 @dataclass
-class SimulatedWorker:
+class SimulatedWorker(Drafting):
     """Runs vLLM's worker-side offloading connector over simulated transfers; samples tokens.
 
     ``scheduler`` is the real ``vllm.v1.core.sched.scheduler.Scheduler`` (read only: its
@@ -230,14 +278,7 @@ class SimulatedWorker:
     copy_engine_jobs: dict[int, Any] = field(default_factory=dict)
     #: engine steps executed so far (the job queue's clock)
     step: int = 0
-    #: speculative decoding: draft tokens proposed per sampled token (0: off;
-    #: ``geometry.speculative``'s ``num_speculative_tokens``)
-    speculative_tokens: int = 0
-    #: drafts proposed and accepted so far (the replay report's ``speculative``)
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
     queue: JobQueue = field(init=False)
-    _drafts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
     _connector: Any = field(default=None, init=False, repr=False)
     _job_req: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _job_specs: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
@@ -365,38 +406,6 @@ class SimulatedWorker:
         if self.speculative_tokens:
             self._propose(scheduler_output, req_ids, sampled)
         return vllm_api.model_runner_output(req_ids, sampled, kv)
-
-    def _propose(self, scheduler_output: Any, req_ids: list[str], sampled: list[list[int]]) -> None:
-        """The drafter's proposal after this step's verification: :func:`drafts` for the
-        position after each request's last sampled token (none for a partial prefill),
-        handed to the scheduler by :meth:`take_draft_token_ids`."""
-        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        k = self.speculative_tokens
-        for req_id, tokens in zip(req_ids, sampled):
-            if not tokens:
-                continue
-            scheduled = spec.get(req_id) or ()
-            self.drafts_proposed += len(scheduled)
-            self.drafts_accepted += len(tokens) - 1
-            req = self.scheduler.requests.get(req_id)
-            if req is None:
-                continue
-            # the index of the token after the last one sampled now (see sample())
-            index = int(req.num_computed_tokens) - int(req.num_prompt_tokens) - len(scheduled) + len(tokens)
-            self._drafts[req_id] = drafts(req_id, index, k, self.vocab_size)
-
-    def take_draft_token_ids(self) -> Any:
-        """The step's drafts as vLLM's ``DraftTokenIds`` (``req_ids``, ``draft_token_ids``), or
-        None: what ``EngineCore.post_step`` hands to ``Scheduler.update_draft_token_ids``."""
-        if not self._drafts:
-            return None
-        from vllm.v1.outputs import DraftTokenIds
-
-        req_ids = list(self._drafts)
-        out = DraftTokenIds(req_ids, [self._drafts[r] for r in req_ids])
-        self._drafts = {}
-        return out
-
 
 def forward(oracle: "KVOracle", scheduler: Any, scheduler_output: Any) -> None:
     """The forward, in the oracle: each scheduled request's scheduled tokens are written into

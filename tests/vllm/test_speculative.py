@@ -1,5 +1,6 @@
-"""Speculative decoding in the lab (issue 43): drafts from the simulated worker, verified as a
-target model verifies them, on vLLM's real scheduler and OffloadingConnector (marker vllm).
+"""Speculative decoding in the lab: drafts from the simulated worker, verified as a target
+model verifies them, on vLLM's real scheduler and both CPU offload connectors (the
+OffloadingConnector and the SimpleCPUOffloadConnector; marker vllm).
 
 The worker proposes ``k`` drafts after every sampled token (some the request's true next
 tokens, some wrong: :func:`kvguard.lab.replay.worker.drafts`), the forward writes each draft's
@@ -33,12 +34,18 @@ METHODS = ("ngram", "eagle", "mtp")
 K = 3
 
 
-def _trace(method: str | None, k: int = K) -> Trace:
+CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
+
+
+def _trace(method: str | None, k: int = K, connector: str = CONNECTORS[0]) -> Trace:
     """r0 is stored and evicted by a filler; r1 (r0's prompt, its output and 70 tokens) hits
-    it in the CPU tier and loads it; ``other`` decodes beside them."""
+    it in the CPU tier and loads it; ``other`` decodes beside them. The SimpleCPUOffloadConnector
+    stores block by block (a chunk is a block) into a pool counted in blocks."""
     geometry = {"tokens_per_block": 16, "tokens_per_chunk": 64, "sliding_window": 128,
                 "num_gpu_blocks": 200, "cpu_chunks": 64, "max_num_batched_tokens": 512,
                 "max_num_seqs": 4, "max_model_len": 2048, "vocab_size": 1000}
+    if connector != CONNECTORS[0]:
+        geometry.update(connector=connector, tokens_per_chunk=16, cpu_chunks=256)
     if method is not None:
         geometry["speculative"] = {"method": method, "num_speculative_tokens": k}
     header = {"kind": "header", "format": "kvguard-replay/1", "name": f"speculative-{method}", "geometry": geometry}
@@ -59,14 +66,14 @@ def _run(trace: Trace, guard: bool):
     return engine, harness.run_replay(trace, guard=guard, engine=engine)
 
 
-_PLAIN: dict[bool, object] = {}
+_PLAIN: dict[tuple[bool, str], object] = {}
 
 
-def _plain(guard: bool):
-    """The trace without speculation (one replay per guard mode for the whole module)."""
-    if guard not in _PLAIN:
-        _PLAIN[guard] = _run(_trace(None), guard)[1]
-    return _PLAIN[guard]
+def _plain(guard: bool, connector: str = CONNECTORS[0]):
+    """The trace without speculation (one replay per guard mode and connector for the module)."""
+    if (guard, connector) not in _PLAIN:
+        _PLAIN[guard, connector] = _run(_trace(None, connector=connector), guard)[1]
+    return _PLAIN[guard, connector]
 
 
 def test_drafts_mix_true_and_wrong_tokens() -> None:
@@ -81,16 +88,18 @@ def test_drafts_mix_true_and_wrong_tokens() -> None:
     assert seen == set(range(K + 1))
 
 
+@pytest.mark.parametrize("connector", CONNECTORS, ids=["offloading", "simple"])
 @pytest.mark.parametrize("guard", [False, True], ids=["vllm-alone", "guarded"])
 @pytest.mark.parametrize("method", METHODS)
-def test_a_speculative_replay_serves_the_same_tokens_on_the_right_kv(method: str, guard: bool) -> None:
-    trace = _trace(method)
+def test_a_speculative_replay_serves_the_same_tokens_on_the_right_kv(method: str, guard: bool,
+                                                                      connector: str) -> None:
+    trace = _trace(method, connector=connector)
     try:
         engine, result = _run(trace, guard)
     except RuntimeError as exc:  # the release refuses the method for the lab's model
         assert method == "mtp" and "refuses method 'mtp'" in str(exc), exc
         return
-    plain = _plain(guard)
+    plain = _plain(guard, connector)
     assert result.ok and result.finished == result.submitted == 4, (result.error, result.stalls)
     assert result.wrong_kv_blocks == 0
     assert result.outputs == plain.outputs  # the target decides every token
