@@ -50,10 +50,14 @@ job latency calls the same hooks at other times; each hook is self-contained):
   ``v1/worker/gpu/input_batch.py:540``). ``reprefill`` is therefore ``min(extra_retained_tokens,
   k - 1)`` for a request with ``k`` scheduled speculative tokens
   (``scheduler_output.scheduled_spec_decode_tokens``; the worst case, as the check runs
-  before the rejection is known) and 0 otherwise. The replay schedules no speculative
-  tokens, so after a GPU prefix-cache hit (``SlidingWindowManager.find_longest_cache_hit``
-  supplies ``cdiv(sliding_window - 1, block_size)`` blocks, null below) the retained
-  blocks are not demanded: that null range is never read (docs/fuzz.md).
+  before the rejection is known) in an engine whose drafter is that speculator
+  (``SpeculativeConfig.use_multi_module_mtp()``, :func:`multi_module_mtp`: method ``mtp``
+  with more than one MTP module and more than one draft token), and 0 otherwise: an
+  ngram, EAGLE or single-module MTP drafter reads nothing below the window. So after a GPU
+  prefix-cache hit (``SlidingWindowManager.find_longest_cache_hit`` supplies
+  ``cdiv(sliding_window - 1, block_size)`` blocks, null below) the retained blocks are not
+  demanded there: that null range is never read (docs/fuzz.md; the fuzz trace
+  ``tests/vllm/traces/spec-ngram-retained-null-034.jsonl``, ngram drafts over it).
 - :meth:`computed_range` / :meth:`computed`: the step's forward writes the scheduled
   tokens ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)`` into the
   request's real block table (``kv_cache_manager.get_block_ids(req_id)``, per group).
@@ -229,6 +233,11 @@ class KVOracle:
     #: ``all_token_ids``); under async scheduling the worker also knows the tokens it
     #: sampled whose output the scheduler has not processed yet (see worker.py)
     token_view: Callable[[Any], Sequence[int]] | None = None
+    #: whether the engine's drafter re-prefills rejected tokens below a step's first
+    #: position (vLLM's multi-module MTP speculator, the only reader of a sliding window's
+    #: ``extra_retained_tokens``): ``SpeculativeConfig.use_multi_module_mtp()`` of the
+    #: engine (:func:`oracle_for`); True, the widest read, where it is not known
+    multi_module_mtp: bool = True
 
     def __post_init__(self) -> None:
         self.groups = list(self.groups)
@@ -534,8 +543,10 @@ class KVOracle:
             computed = int(req.num_computed_tokens) - int(num_scheduled)
             if computed <= 0:
                 continue
+            # only the multi-module MTP drafter reads below the window (module docstring)
+            drafts = len(spec.get(req_id, ())) if self.multi_module_mtp else 0
             new += self.check_request(req_id, manager.get_block_ids(req_id), computed,
-                                      num_spec_tokens=len(spec.get(req_id, ())))
+                                      num_spec_tokens=drafts)
         return new
 
     def check_request(
@@ -627,6 +638,18 @@ class KVOracle:
         }
 
 
+def multi_module_mtp(scheduler: Any) -> bool:
+    """Whether ``scheduler``'s engine drafts with vLLM's multi-module MTP speculator, whose
+    rejection re-prefill reads below a step's first position
+    (``SpeculativeConfig.use_multi_module_mtp()``, 0.34.0; a release without the method has
+    no such speculator). No speculative config: False."""
+    spec = getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None)
+    if spec is None:
+        return False
+    probe = getattr(spec, "use_multi_module_mtp", None)
+    return bool(probe()) if callable(probe) else False
+
+
 def oracle_for(scheduler: Any, vocab_size: int, blocks_per_chunk: int,
                token_view: Callable[[Any], Sequence[int]] | None = None) -> KVOracle:
     """The oracle of a replay worker over the real ``scheduler``'s ``KVCacheConfig``: its
@@ -634,6 +657,7 @@ def oracle_for(scheduler: Any, vocab_size: int, blocks_per_chunk: int,
     per CPU chunk (1 for the SimpleCPUOffloadConnector: a CPU block is one GPU block)."""
     config = scheduler.kv_cache_config
     return KVOracle(
+        multi_module_mtp=multi_module_mtp(scheduler),
         scheduler=scheduler,
         groups=layouts_from_kv_cache_config(config),
         num_gpu_blocks=int(config.num_blocks),

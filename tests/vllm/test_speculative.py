@@ -21,6 +21,7 @@ and the drafts reach the scheduler through ``Scheduler.update_draft_token_ids`` 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,7 @@ from kvguard.lab.replay.worker import drafts, sampled_token
 
 pytestmark = pytest.mark.vllm
 
+TRACES = Path(__file__).parent / "traces"
 METHODS = ("ngram", "eagle", "mtp")
 K = 3
 
@@ -151,3 +153,33 @@ def test_a_rejected_drafts_kv_left_in_its_slot_is_flagged(monkeypatch) -> None:
     _, result = _run(_trace("ngram"), guard=False)
     assert kept, "no rejected draft was computed again"
     assert result.wrong_kv_blocks > 0
+
+
+def test_only_the_multi_module_mtp_drafter_reads_the_retained_blocks() -> None:
+    """The read range follows the engine's drafter: a sliding window's retained blocks
+    (``extra_retained_tokens``) are read only by vLLM's multi-module MTP speculator
+    (``SpeculativeConfig.use_multi_module_mtp()``). On the fuzz trace below an ngram engine
+    leaves them null after a GPU prefix-cache hit and reads none of them: 0 wrong KV, vLLM
+    alone and guarded. The same replay with the oracle reading them (the MTP re-prefill's
+    range) flags the null block: the range, not luck, decides."""
+    from kvguard.lab.replay.trace import load_trace
+
+    trace = load_trace(str(TRACES / "spec-ngram-retained-null-034.jsonl"))
+    try:
+        engine = harness.build_engine(trace.geometry, trace.worker)
+    except RuntimeError as exc:  # a release that cannot express the trace's layout or settings
+        pytest.skip(f"vLLM {harness.vllm_version()} cannot build this trace's engine: {exc}")
+    assert engine.worker.oracle.multi_module_mtp is False  # ngram: no re-prefill
+    for guard in (False, True):
+        if not guard:
+            harness.uninstall_guard()
+        engine = harness.build_engine(trace.geometry, trace.worker)
+        result = harness.run_replay(trace, guard=guard, engine=engine)
+        assert result.ok and result.finished == result.submitted, (result.error, result.stalls)
+        assert result.wrong_kv_blocks == 0, engine.worker.oracle.wrong_kv
+    engine = harness.build_engine(trace.geometry, trace.worker)
+    engine.worker.oracle.multi_module_mtp = True  # read as the MTP re-prefill would
+    result = harness.run_replay(trace, guard=True, engine=engine)
+    if harness.vllm_version() == "0.34.0":  # where the fuzz found it: the null block is read
+        offenders = engine.worker.oracle.wrong_kv
+        assert result.wrong_kv_blocks >= 1 and "null block" in offenders[0]["what"]
