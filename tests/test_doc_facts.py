@@ -202,19 +202,13 @@ def test_no_page_names_a_project_issue_or_a_file_outside_the_repository():
     assert not PROJECT_ISSUE.search("vLLM #48959") and not OUTSIDE_PATH.search("docs/replay.md")
 
 
-def test_make_docs_fails_on_a_planted_wrong_metric_a_missing_alert_row_and_an_unknown_target(tmp_path):
+def test_make_docs_fails_on_a_planted_wrong_metric_a_missing_alert_row_and_an_unknown_target(tracked_copy):
     """``make docs`` (in ``make test``, so in CI) runs these checks before it builds the site:
     in a copy of the repository whose README names a metric and a make target that do not
     exist and whose alert table lost a row, it fails and names each of the three."""
-    import shutil
     import subprocess
 
-    copy = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for rel in filter(None, files.decode().split("\0")):
-        if (ROOT / rel).is_file():
-            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, copy / rel)
+    copy = tracked_copy("repo")
     (copy / ".venvs").symlink_to(ROOT / ".venvs")  # the light environment, already built
     readme = copy / "README.md"
     readme.write_text(readme.read_text() + "\n`kvguard_planted_metric_total` and `make planted-target`\n")

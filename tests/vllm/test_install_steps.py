@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from importlib.metadata import version as dist_version
@@ -96,7 +95,8 @@ def test_the_quick_start_dockerfile_is_linted_and_parsed_as_the_repositorys_own(
     assert dict(parsed)["ENTRYPOINT"] in own
 
 
-def test_the_install_steps_run_word_for_word_in_a_fresh_environment_with_vllm(image_release, tmp_path):
+def test_the_install_steps_run_word_for_word_in_a_fresh_environment_with_vllm(image_release, tmp_path,
+                                                                             tracked_copy):
     assert UV.exists(), f"{UV} missing: scripts/env.sh builds it"
     env = {**os.environ, "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
            "UV_LINK_MODE": "hardlink", "UV_PYTHON_DOWNLOADS": "never"}
@@ -110,12 +110,7 @@ def test_the_install_steps_run_word_for_word_in_a_fresh_environment_with_vllm(im
                     f"vllm=={image_release}"], check=True, env=env)
     env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
     # a checkout of this repository (its tracked files), where deploy.md's command builds the wheel
-    checkout = tmp_path / "checkout"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for rel in filter(None, files.decode().split("\0")):
-        if (ROOT / rel).is_file():
-            (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, checkout / rel)
+    checkout = tracked_copy("checkout")
     subprocess.run(["bash", "-c", _wheel_command()], cwd=checkout, check=True, env=env, capture_output=True)
     # COPY src dst, as a path mapping; RUN as written
     steps = _instructions(_quickstart_dockerfile())
