@@ -85,6 +85,14 @@ from kvguard.lab.replay.command import policy_option
     "per epoch, shared prefixes kept: many evictions over 100,000+ steps at a few thousand); "
     "shrinking is off unless --shrink-replays is given",
 )
+@click.option(
+    "--verify-budget-s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="with --epochs above 1 and no shrinking: seconds all classes together may spend "
+    "verifying each class on its life's first 1, 2, 4, ... epochs [default: "
+    "900]; a class not shown by then is reported unverified",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 def fuzz(
     budget_s: float | None,
@@ -101,6 +109,7 @@ def fuzz(
     connector: str,
     differential: bool,
     epochs: int,
+    verify_budget_s: float | None,
     as_json: bool,
 ) -> None:
     """Generate geometries and traffic (Hypothesis) and replay each on vLLM's real scheduler."""
@@ -137,6 +146,7 @@ def fuzz(
         connector=connector,
         differential=differential,
         epochs=epochs,
+        verify_budget_s=verify_budget_s,
         progress=show,
     )
     show.done()

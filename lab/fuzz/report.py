@@ -29,6 +29,11 @@ class Progress:
             self.stream.write(f"  shrinking: {event['class']}\n")
             self.stream.flush()
             return
+        if event.get("phase") == "verify":
+            self.done()
+            self.stream.write(f"  verifying: {event['class']} on its first {event['epochs']} epochs\n")
+            self.stream.flush()
+            return
         if event.get("phase") == "differential":
             self.done()
             self.stream.write(f"  differential: replaying {event['examples']} acted examples without the guard\n")
@@ -106,7 +111,11 @@ def table(result: dict[str, Any]) -> str:
         flag = " KVGUARD BUG: " + "; ".join(c["kvguard_bug_reasons"]) if c["kvguard_bug"] else ""
         did = f" kvguard: {', '.join(c['kvguard_did'])}." if c.get("kvguard_did") else ""
         issue = f" ({c['known_issue']})" if c.get("known_issue") else ""
-        rep = "replays" if c["reproduces"] else "DOES NOT REPLAY"
+        rep = ("not verified: the long-life verification budget was spent" if c["reproduces"] is None
+               else "replays" if c["reproduces"] else "DOES NOT REPLAY")
+        v = c.get("verification")
+        if v and v.get("shown_at_epochs"):
+            rep += f" on its first {v['shown_at_epochs']} of {v['epochs']} epochs"
         s = c["size"]
         lines.append(f"  {c['kind']:8} x{c['count']:<4} {c['class']}{issue}")
         lines.append(

@@ -42,6 +42,12 @@ from kvguard.lab.replay.trace import Trace
 
 #: Replays one class may spend on shrinking (default of ``--shrink-replays``).
 SHRINK_REPLAYS = 120
+#: Seconds a long-life run (``--epochs`` above 1, not shrinking) may spend, over all its
+#: classes, verifying each class on its trace's first epochs (default of
+#: ``--verify-budget-s`` there; :func:`_verify_long_life`). The hour-long lives of issue 42
+#: ran a class's whole life (up to 388,545 steps, minutes per replay) once per class and
+#: never reached their report.
+LONG_LIFE_VERIFY_S = 900.0
 #: Public issues a class matches, by the vLLM function it died in and the assert text
 #: (each row names the public vLLM issue). A hint for the reader, never used to
 #: decide what a finding is.
@@ -343,6 +349,52 @@ def _upstream_report(kind: str, name: str, path: Path, minimal: Trace, version: 
     return str(md)
 
 
+def _verify_long_life(
+    found: Trace,
+    name: str,
+    verify: Callable[[Trace], tuple[ExampleOutcome, Any]],
+    named: Callable[[Trace, str], Trace],
+    deadline: float,
+    progress: Callable[[dict[str, Any]], None] | None,
+) -> tuple[Trace, ExampleOutcome | None, Any, dict[str, Any]]:
+    """Verify class ``name`` of a long life (``--epochs``) on the first 1, 2, 4, ... epochs
+    of ``found`` (:func:`.strategies.first_epochs`), then the whole life, until a replay
+    shows the class or ``deadline`` (``time.monotonic()``) passes; a replay started before
+    the deadline runs to its end. ``verify`` writes a trace and replays it as
+    ``kvguard replay --trace`` reads it; ``named`` names a trace and says how it was cut.
+
+    Returns ``(trace written, outcome, result, verification)``: the smallest prefix that
+    showed the class (a whole life is minutes per replay; its first epochs are seconds),
+    or, when none did, the whole life written and ``outcome`` None if the deadline stopped
+    it before the whole life was replayed. ``verification``: ``{"epochs": N (the life),
+    "replayed_epochs": [k, ...], "shown_at_epochs": k or None, "stopped": "shown" |
+    "whole life replayed" | "budget spent"}``.
+    """
+    from kvguard.lab.fuzz.strategies import epochs_of, first_epochs
+
+    total = epochs_of(found)
+    replayed: list[int] = []
+    k = 1
+    while True:
+        if time.monotonic() > deadline:
+            whole = named(found, f"the whole life of {total} epochs, not verified (the verification budget was spent)")
+            return whole, None, None, {"epochs": total, "replayed_epochs": replayed, "shown_at_epochs": None,
+                                       "stopped": "budget spent"}
+        k = min(k, total)
+        if progress is not None:
+            progress({"phase": "verify", "class": name, "epochs": k})
+        cut = named(first_epochs(found, k), f"the first {k} of {total} epochs of its life" if k < total
+                    else f"its whole life of {total} epochs")
+        outcome, result = verify(cut)
+        replayed.append(k)
+        if name in outcome.classes or k == total:
+            shown = name in outcome.classes
+            return cut, outcome, result, {"epochs": total, "replayed_epochs": replayed,
+                                          "shown_at_epochs": k if shown else None,
+                                          "stopped": "shown" if shown else "whole life replayed"}
+        k *= 2
+
+
 def _replay_summary(result: Any) -> dict[str, Any] | None:
     if result is None:
         return None
@@ -514,6 +566,7 @@ def fuzz(
     differential: bool = True,
     epochs: int = 1,
     draw_settings: bool = True,
+    verify_budget_s: float | None = None,
 ) -> dict[str, Any]:
     """Explore, group, shrink, write and verify; the ``--json`` report (docs/fuzz.md).
 
@@ -534,6 +587,11 @@ def fuzz(
     by one engine (:func:`.strategies.lifetime`, the long-life mode).
     ``draw_settings`` (default): draw the operator settings each release reads
     (:func:`.strategies.operator_settings`); False (``--default-settings``): vLLM's defaults.
+    ``verify_budget_s`` (``--verify-budget-s``): with ``epochs`` above 1 and shrinking off,
+    each class is verified on its trace's first 1, 2, 4, ... epochs until it shows
+    (:func:`_verify_long_life`), all classes together within this many seconds (default
+    :data:`LONG_LIFE_VERIFY_S`); a class not shown when it is spent is reported with
+    ``reproduces`` null. Ignored otherwise (a class's trace is verified whole, once).
     ``differential`` (guard on; default): every example where kvguard acted is replayed
     unguarded too and compared request by request (:mod:`.differential`); a ``worse``
     example is the kvguard-bug class ``worse-than-vllm-alone after <checks>``. The report's
@@ -715,6 +773,9 @@ def fuzz(
             judge_all()
         explore_s = time.monotonic() - t0
         out_classes = []
+        long_life = epochs > 1 and shrink_replays <= 0
+        verify_deadline = (time.monotonic() + (LONG_LIFE_VERIFY_S if verify_budget_s is None else verify_budget_s)
+                           if long_life else None)
         for name in sorted(stats) if harness_error is None else ():
             s = stats[name]
             assert s.trace is not None
@@ -730,22 +791,29 @@ def fuzz(
             shrunk = shrink(s.trace, same_class, max_replays=shrink_replays) if shrink_replays > 0 else None
             minimal = shrunk.trace if shrunk is not None else s.trace
             file_slug = cls.slug(name)
-            minimal = dataclasses.replace(
-                minimal,
-                name=file_slug,
-                description=(
-                    f"kvguard fuzz finding: {name}. vLLM {version}, seed {seed}, example "
-                    f"{s.first_example}, guard {'on (policy ' + policy + ')' if guard else 'off'}; "
-                    f"shrunk from {size(s.trace)} to {size(minimal)} (requests, prompt tokens, output tokens)."
-                ),
-            )
             path = out_path / f"{file_slug}.jsonl"
-            path.write_text(minimal.dumps(), encoding="utf-8")
-            # verify: read the file back the way `kvguard replay --trace FILE` does and replay it
-            outcome, result = run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant,
-                                          differential=compare)
+            how = f"shrunk from {size(s.trace)} to {size(minimal)} (requests, prompt tokens, output tokens)"
+
+            def named(t: Trace, how: str) -> Trace:
+                return dataclasses.replace(t, name=file_slug, description=(
+                    f"kvguard fuzz finding: {name}. vLLM {version}, seed {seed}, example "
+                    f"{s.first_example}, guard {'on (policy ' + policy + ')' if guard else 'off'}; {how}."))
+
+            def verify(t: Trace) -> tuple[ExampleOutcome, Any]:
+                # read the file back the way `kvguard replay --trace FILE` does and replay it
+                path.write_text(t.dumps(), encoding="utf-8")
+                return run_example(load_trace(str(path)), guard=guard, policy=policy, plant=plant,
+                                   differential=compare)
+
+            verification: dict[str, Any] | None = None
+            if verify_deadline is not None:
+                minimal, outcome, result, verification = _verify_long_life(
+                    s.trace, name, verify, named, verify_deadline, progress)
+            else:
+                minimal = named(minimal, how)
+                outcome, result = verify(minimal)
             report_path = (_upstream_report(s.kind, name, path, minimal, version, guard, policy)
-                           if plant is None else None)
+                           if plant is None and outcome is not None else None)
             bug = sorted(s.kvguard_bug_reasons)
             out_classes.append(
                 {
@@ -754,7 +822,9 @@ def fuzz(
                     "count": s.count,
                     "first_example": s.first_example,
                     "trace": str(path),
-                    "reproduces": name in outcome.classes,
+                    "reproduces": (name in outcome.classes if outcome is not None else None),
+                    # long lives (--epochs): the epochs replayed to verify, and why it stopped
+                    "verification": verification,
                     "size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(minimal))),
                     "found_size": dict(zip(("requests", "prompt_tokens", "output_tokens"), size(s.trace))),
                     "shrink_replays": shrunk.replays if shrunk is not None else 0,
@@ -767,7 +837,8 @@ def fuzz(
                     "kvguard_bug": bool(bug),
                     "kvguard_bug_reasons": bug,
                     "replay": _replay_summary(result),
-                    "differential": outcome.differential.to_json() if outcome.differential is not None else None,
+                    "differential": (outcome.differential.to_json()
+                                     if outcome is not None and outcome.differential is not None else None),
                     "upstream_report": report_path,
                 }
             )

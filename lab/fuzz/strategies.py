@@ -787,6 +787,37 @@ SHARED_ENGINES = "engine" in {f.name for f in dataclasses.fields(TraceRequest)}
 RESTARTS = "restarts" in {f.name for f in dataclasses.fields(Trace)}
 
 
+def epoch_of(request_id: str) -> int:
+    """The epoch of a request id of :func:`lifetime` (``e<k>/...`` is epoch ``k``; any
+    other id is epoch 0)."""
+    if request_id.startswith("e") and "/" in request_id:
+        k = request_id[1:request_id.index("/")]
+        if k.isdigit():
+            return int(k)
+    return 0
+
+
+def first_epochs(trace: Trace, k: int) -> Trace:
+    """``trace`` cut to its first ``k`` epochs (:func:`lifetime`): the requests of epochs
+    ``0 .. k-1`` and the restarts before them, nothing else changed. A later epoch only
+    follows an earlier one (``after``, ``waits_for`` and ``output_of`` name the same or an
+    earlier epoch), so the cut is a trace of its own: the first ``k`` epochs of the same
+    life, step for step the same engine until the cut. ``k`` at least 1; a ``k`` at or
+    above the trace's epochs returns ``trace``."""
+    if k < 1:
+        raise ValueError(f"first_epochs: k must be at least 1, got {k}")
+    keep = tuple(r for r in trace.requests if epoch_of(r.id) < k)
+    if len(keep) == len(trace.requests):
+        return trace
+    ids = {r.id for r in keep}
+    return dataclasses.replace(trace, requests=keep, restarts=tuple(r for r in trace.restarts if r in ids))
+
+
+def epochs_of(trace: Trace) -> int:
+    """How many epochs ``trace`` holds (1 for a trace not made by :func:`lifetime`)."""
+    return 1 + max((epoch_of(r.id) for r in trace.requests), default=0)
+
+
 @st.composite
 def restarts(draw: st.DrawFn, requests: tuple[TraceRequest, ...], epochs: int) -> tuple[str, ...]:
     """Engine restarts over the secondary tiers in a long life (issue 42: a restarted
@@ -797,10 +828,9 @@ def restarts(draw: st.DrawFn, requests: tuple[TraceRequest, ...], epochs: int) -
     rnd = random.Random(draw(st.integers(0, 2**32 - 1)))
     first: dict[int, str] = {}
     for r in requests:
-        if r.id.startswith("e") and "/" in r.id:
-            k = r.id[1:r.id.index("/")]
-            if k.isdigit() and int(k) not in first:
-                first[int(k)] = r.id
+        k = epoch_of(r.id)
+        if k >= 1 and k not in first:
+            first[k] = r.id
     return tuple(first[k] for k in range(1, epochs) if k in first and rnd.random() < 0.25)
 
 

@@ -462,3 +462,90 @@ def test_a_price_example_is_written_where_it_can_be_replayed_and_stays_the_same_
     assert again.name == "price-copy_coverage-example17" and "copy_coverage" in again.description
     # only the name and the description change: the same geometry and the same requests
     assert dataclasses.replace(again, name=trace.name, description=trace.description) == trace
+
+
+@settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(strategies.traces(epochs=6), st.integers(1, 7))
+def test_the_first_epochs_of_a_life_are_a_trace_of_their_own(trace, k):
+    """A long life's class is verified on its first epochs (``runner._verify_long_life``):
+    the cut keeps exactly the requests of epochs ``0 .. k-1`` in order, and only the
+    restarts before them, and is a valid trace (it round-trips, every reference resolves)."""
+    cut = strategies.first_epochs(trace, k)
+    assert [r.id for r in cut.requests] == [r.id for r in trace.requests if strategies.epoch_of(r.id) < k]
+    assert parse_trace(cut.dumps().splitlines()) == cut
+    assert set(cut.restarts) == set(trace.restarts) & {r.id for r in cut.requests}
+    assert strategies.epochs_of(cut) == min(k, strategies.epochs_of(trace))
+    if k >= strategies.epochs_of(trace):
+        assert cut is trace
+    assert strategies.epochs_of(trace) == 1 + max(strategies.epoch_of(r.id) for r in trace.requests)
+
+
+def test_epoch_of_reads_only_the_lifetime_prefix() -> None:
+    assert [strategies.epoch_of(i) for i in ("agent-0/turn-1", "e12/agent-0/turn-1", "ex/a", "e/a", "e3")] == \
+        [0, 12, 0, 0, 0]
+    import pytest
+
+    with pytest.raises(ValueError, match="at least 1"):
+        strategies.first_epochs(Trace(name="t", geometry=Geometry(), requests=()), 0)
+
+
+def _life(epochs: int) -> Trace:
+    reqs = [TraceRequest(id="a", prompt=(Segment(seed=1, tokens=64),), max_tokens=2)]
+    reqs += [TraceRequest(id=f"e{k}/a", prompt=(Segment(seed=1, tokens=64),), max_tokens=2, after=reqs[-1].id)
+             for k in range(1, epochs)]
+    return Trace(name="life", geometry=Geometry(), requests=tuple(reqs))
+
+
+def test_a_long_life_class_is_verified_on_doubling_prefixes_within_the_budget() -> None:
+    """Verification of a class from ``--epochs``: the first 1, 2, 4, ... epochs, then the
+    whole life; the smallest prefix that shows the class is what is written; a class not
+    shown when the budget is spent is reported unverified (outcome None), never replayed
+    whole past the budget."""
+    import time
+
+    from kvguard.lab.fuzz import runner
+    from kvguard.lab.fuzz.classes import ExampleOutcome, Finding
+
+    life = _life(11)
+    replayed: list[int] = []
+
+    def verify_from(shows_at: int):
+        def verify(t: Trace):
+            n = strategies.epochs_of(t)
+            replayed.append(n)
+            out = ExampleOutcome()
+            if n > shows_at:  # the class shows once epoch `shows_at` is in the trace
+                out.findings.append(Finding("check", "the-class"))
+            return out, None
+        return verify
+
+    def named(t: Trace, how: str) -> Trace:
+        return dataclasses.replace(t, description=how)
+
+    later = time.monotonic() + 60
+    cut, outcome, _, v = runner._verify_long_life(life, "the-class", verify_from(4), named, later, None)
+    assert replayed == [1, 2, 4, 8] and strategies.epochs_of(cut) == 8
+    assert outcome is not None and "the-class" in outcome.classes
+    assert v == {"epochs": 11, "replayed_epochs": [1, 2, 4, 8], "shown_at_epochs": 8, "stopped": "shown"}
+    assert cut.description == "the first 8 of 11 epochs of its life"
+
+    replayed.clear()  # never shown: the whole life is the last replay
+    cut, outcome, _, v = runner._verify_long_life(life, "the-class", verify_from(99), named, later, None)
+    assert replayed == [1, 2, 4, 8, 11] and cut == named(life, "its whole life of 11 epochs")
+    assert v["stopped"] == "whole life replayed" and v["shown_at_epochs"] is None and outcome is not None
+
+    replayed.clear()  # the budget spent: nothing replayed, the whole life written, unverified
+    cut, outcome, _, v = runner._verify_long_life(life, "the-class", verify_from(0), named,
+                                                  time.monotonic() - 1, None)
+    assert replayed == [] and outcome is None and strategies.epochs_of(cut) == 11
+    assert v == {"epochs": 11, "replayed_epochs": [], "shown_at_epochs": None, "stopped": "budget spent"}
+
+
+def test_the_cli_states_the_long_life_verification_budget_it_uses() -> None:
+    from click.testing import CliRunner
+
+    from kvguard.lab.fuzz import runner
+    from kvguard.sidecar.cli import main
+
+    help_text = " ".join(CliRunner().invoke(main, ["fuzz", "--help"]).output.split())
+    assert f"[default: {runner.LONG_LIFE_VERIFY_S:.0f}]" in help_text

@@ -334,6 +334,29 @@ def test_planted_fault_is_reported_as_a_kvguard_bug(only_033, tmp_path):
     assert not outcome.kvguard_death
 
 
+def test_a_long_life_class_is_verified_on_its_first_epochs(only_033, tmp_path):
+    """``--epochs``: shrinking is off, and each class is verified on the first 1, 2, 4, ...
+    epochs of the life that found it (the hour-long lives of issue 42 never reached their
+    report while each class's whole life was replayed). With the planted fault, seed 0's
+    examples 7 and 8 die in kvguard within 4 epochs (measured on 0.33.0, 7 Dec 2026): the
+    written trace is the prefix that showed the class, and it replays."""
+    from kvguard.lab.fuzz.strategies import epochs_of
+
+    code, r = _cli_fuzz(tmp_path, "--guard", "--seed", "0", "--examples", "10", "--epochs", "4",
+                        env={plant.ENV: "check"})
+    os.environ.pop(plant.ENV, None)
+    assert code == 1 and r["kvguard_bugs"] >= 1 and r["epochs"] == 4
+    (c,) = [c for c in r["classes"] if c["class"].startswith("kvguard-raised PlantedFault")]
+    v = c["verification"]
+    assert c["reproduces"] is True and c["shrink_replays"] == 0 and v["stopped"] == "shown"
+    k = v["shown_at_epochs"]
+    assert v["epochs"] == 4 and v["replayed_epochs"] == [n for n in (1, 2, 4) if n <= k]
+    assert epochs_of(load_trace(c["trace"])) == k
+    assert c["size"]["requests"] <= c["found_size"]["requests"]
+    for other in r["classes"]:
+        assert other["verification"] is not None and other["reproduces"] is not None
+
+
 def test_a_guard_that_acts_too_early_is_reported_worse_than_vllm_alone(monkeypatch):
     """The differential's negative control: the wait bound set to one observation
     (``KVGUARD_WAIT_BOUND_STEPS=1``) ends a healthy load that takes four steps by failing its
