@@ -241,8 +241,10 @@ def installed_reads() -> dict[str, list[str]]:
 
 
 #: The KV cache spec kinds the lab's engines are built with
-#: (:func:`kvguard.lab.replay.vllm_api.make_kv_cache_config`: one group per spec).
-LAB_SPEC_KINDS: frozenset[str] = frozenset({"FullAttentionSpec", "SlidingWindowSpec"})
+#: (:func:`kvguard.lab.replay.vllm_api.make_kv_cache_config`: one group per spec; the MLA
+#: kinds for a trace's ``mla`` groups, drawn by the fuzzer with ``groups``).
+LAB_SPEC_KINDS: frozenset[str] = frozenset(
+    {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "SlidingWindowMLASpec"})
 
 #: Names ``vllm.v1.kv_cache_interface`` exports that end in ``Spec`` and are not a kind of
 #: layer: the base classes and the group wrapper.

@@ -302,6 +302,26 @@ class ClassStats:
     error_site: str | None = None
 
 
+def _held(finding: cls.Finding) -> bool:
+    """A stall flagged as kvguard's only because kvguard acted in its example
+    (:func:`kvguard.lab.fuzz.classes.classify`): with the differential on, its verdict
+    waits for the unguarded replay of the example (``fuzz``'s ``judge_all``)."""
+    return finding.kind == cls.KIND_STALL and finding.kvguard_bug is not None
+
+
+def resolve_held(held: list[cls.Finding], verdict: str | None) -> list[cls.Finding]:
+    """The stall findings :func:`_held` kept back, once the differential compared their
+    example with vLLM alone (``verdict``: one of ``differential.VERDICTS``, or None when vLLM
+    alone could not be built or compared). Any verdict but ``worse`` means no request ended
+    worse than vLLM alone left it, so every request the guarded run lost was lost unguarded
+    too: the stall is vLLM's own (``kvguard_bug`` cleared, the detail says why). ``worse``
+    or None: kept as kvguard's (the ``worse`` finding names the requests)."""
+    if verdict is None or verdict == "worse":
+        return held
+    return [dataclasses.replace(f, kvguard_bug=None, detail=(
+        f"{f.detail}; vLLM alone lost the same requests (differential: {verdict})")) for f in held]
+
+
 def kvguard_did(actions: dict[str, int], died: int, count: int) -> list[str]:
     """What kvguard did for a class: ``tolerated``, ``degraded``, ``request failed``, ``raised``, ``none``."""
     out = []
@@ -421,7 +441,7 @@ def _replay_summary(result: Any) -> dict[str, Any] | None:
 
 def new_layout_counts() -> dict[str, Any]:
     """Empty ``layouts`` object of the report (see :func:`count_layout`)."""
-    return {"kv_cache_groups": {}, "mixed_block_sizes": 0, "extra_retained_tokens": 0}
+    return {"kv_cache_groups": {}, "mixed_block_sizes": 0, "extra_retained_tokens": 0, "mla": 0}
 
 
 def count_settings(settings: dict[str, int], trace: Trace) -> None:
@@ -441,12 +461,14 @@ def count_layout(layouts: dict[str, Any], trace: Trace) -> None:
     """Count one replayed example's KV cache layout into the report's ``layouts``:
     ``kv_cache_groups`` (number of groups -> examples), ``mixed_block_sizes`` (examples
     whose groups differ in ``tokens_per_block``), ``extra_retained_tokens`` (examples with a
-    sliding-window group keeping tokens below its window)."""
+    sliding-window group keeping tokens below its window), ``mla`` (examples whose groups
+    are multi-head latent attention: ``MLAAttentionSpec`` / ``SlidingWindowMLASpec``)."""
     groups = trace.geometry.kv_groups()
     key = str(len(groups))
     layouts["kv_cache_groups"][key] = layouts["kv_cache_groups"].get(key, 0) + 1
     layouts["mixed_block_sizes"] += int(len({g.tokens_per_block for g in groups}) > 1)
     layouts["extra_retained_tokens"] += int(any(g.extra_retained_tokens for g in groups))
+    layouts["mla"] += int(any(g.mla for g in groups))
 
 
 def not_generated(
@@ -703,11 +725,14 @@ def fuzz(
         totals["stalls"] += int(any(f.kind == cls.KIND_STALL for f in outcome.findings))
         totals["acted_examples"] += int(bool(guard and acted(outcome.actions)))
         totals["copy_coverage_unchecked_admits"] += outcome.unchecked_copy_admits
-        if differential and guard and result is not None and to_compare(outcome.actions):
+        judged = differential and guard and result is not None and to_compare(outcome.actions)
+        if judged:
             # compared after the exploration, all in one unguarded batch (removing and
             # installing the guard costs ~0.5 s, ten examples' worth)
             to_judge.append((index, trace, outcome, Summary.of(result)))
-        add_findings(index, trace, outcome, outcome.findings)
+        # a stall after kvguard acted is its bug only if vLLM alone did not lose the same
+        # requests: held back until the differential has compared them (judge_all)
+        add_findings(index, trace, outcome, [f for f in outcome.findings if not (judged and _held(f))])
         if progress is not None:
             progress({"phase": "explore", "totals": dict(totals), "classes": {n: s.count for n, s in stats.items()},
                       "elapsed_s": time.monotonic() - t0})
@@ -737,6 +762,8 @@ def fuzz(
                 _, unguarded = _run_once(trace, guard=False)
                 before = len(outcome.findings)
                 verdict = judge(outcome, summary, unguarded)
+                add_findings(index, trace, outcome, resolve_held(
+                    [f for f in outcome.findings[:before] if _held(f)], verdict.verdict if verdict else None))
                 if verdict is None:
                     continue
                 differential_counts[verdict.verdict] += 1

@@ -194,8 +194,10 @@ MAX_GROUPS = 4
 
 @functools.cache
 def layout_support() -> dict[str, str | None]:
-    """Per geometry field (``groups``, ``extra_retained_tokens``): why the installed vLLM,
-    as the replay harness drives it, cannot express it, or None where it can.
+    """Per geometry field (``groups``, ``extra_retained_tokens``, ``mla``, the group
+    field): why the installed vLLM, as the replay harness drives it, cannot express it, or
+    None where it can (``mla``: :func:`~kvguard.lab.replay.vllm_api.mla_refusal`, and
+    ``groups`` drawn).
 
     The harness's own checks, by feature detection (cached per process):
     ``groups`` needs :func:`~kvguard.lab.replay.vllm_api.mixed_block_sizes_refusal`
@@ -213,13 +215,16 @@ def layout_support() -> dict[str, str | None]:
         extra = vllm_api.extra_retained_tokens_refusal()
         if extra is None:
             extra = vllm_api.extra_retained_tokens_setter()[1]
+        groups = vllm_api.mixed_block_sizes_refusal()
         return {
             "extra_retained_tokens": extra,
-            "groups": vllm_api.mixed_block_sizes_refusal(),
+            "groups": groups,
+            # drawn with groups only (a group field): where groups are not, neither is mla
+            "mla": vllm_api.mla_refusal() or (f"drawn with groups only: {groups}" if groups else None),
         }
     except (ImportError, RuntimeError) as exc:
         why = f"not drawn without vLLM ({exc})"
-        return {"extra_retained_tokens": why, "groups": why}
+        return {"extra_retained_tokens": why, "groups": why, "mla": why}
 
 
 @st.composite
@@ -235,7 +240,10 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
     divide the largest, as the harness's equal page sizes need); the first sliding-window
     group's window is ``sliding_window`` tokens, each later one's is drawn after the sliding-window
     group before it as 1..48 blocks of that group's block size (plus 0, 1 or half
-    a block: sometimes not a multiple). ``extra_retained_tokens`` is drawn once per
+    a block: sometimes not a multiple). With groups, half the examples are multi-head
+    latent attention models (every group ``mla``, vLLM's ``MLAAttentionSpec`` /
+    ``SlidingWindowMLASpec``, as a DeepSeek model's layers all are), where
+    ``layout_support()["mla"]`` is None. ``extra_retained_tokens`` is drawn once per
     example, where supported, and every sliding-window group gets that one value, as vLLM
     builds it: its KV cache planning sets ``extra_retained_tokens =
     num_prefill_lookahead_tokens - 1`` (0.33.0; ``num_speculative_tokens - 1`` for
@@ -260,6 +268,8 @@ def kv_cache_layout(draw: st.DrawFn, tokens_per_block: int, sliding_window: int)
             continue
         groups.append(GroupGeometry("sliding_window", tpb, window, extra))
         window = draw(st.integers(1, 48)) * tpb + draw(st.sampled_from((0, 0, 0, 1, tpb // 2)))
+    if support.get("mla") is None and draw(st.booleans()):
+        groups = [dataclasses.replace(g, mla=True) for g in groups]
     return {"groups": tuple(groups)}
 
 
@@ -874,8 +884,8 @@ def not_generated(
                               "never produced by its CPU<->GPU handler"})
     # Drawn only where the installed release can express them (layout_support): listed
     # with the harness's own reason elsewhere, never silently left out.
-    for name, why in (layout_support() if kv_layouts else dict.fromkeys(("extra_retained_tokens", "groups"), LAYOUTS_OFF)).items():
-        if name not in geo_fields:
+    for name, why in (layout_support() if kv_layouts else dict.fromkeys(("extra_retained_tokens", "groups", "mla"), LAYOUTS_OFF)).items():
+        if name not in geo_fields | {f.name for f in dc.fields(GroupGeometry)}:
             out.append({"field": name, "reason": "not in this checkout's trace format"})
         elif why is not None:
             out.append({"field": name, "reason": why})

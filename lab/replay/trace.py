@@ -36,7 +36,10 @@ Optional geometry fields (omitted, the layout is the two groups above):
 
   ``tokens_per_block`` tokens per GPU block of that group (default the flat field),
   ``sliding_window`` tokens (required for ``sliding_window``), ``extra_retained_tokens``
-  as above. With ``groups`` the flat ``tokens_per_block`` is the block size the
+  as above, ``mla`` (optional, bool): the group's layers are multi-head latent attention
+  (DeepSeek's MLA), vLLM's ``MLAAttentionSpec`` for full attention and
+  ``SlidingWindowMLASpec`` for a sliding window (one latent vector per token, no separate
+  V: the harness gives it the page size of the other groups by its head size). With ``groups`` the flat ``tokens_per_block`` is the block size the
   blocks-per-chunk ratio is taken from: ``blocks_per_chunk = tokens_per_chunk //
   tokens_per_block`` GPU blocks per offloaded chunk in *every* group (a group's chunk is
   ``blocks_per_chunk * its tokens_per_block`` tokens). Groups of different block sizes
@@ -222,6 +225,8 @@ class GroupGeometry:
     tokens_per_block: int
     sliding_window: int | None = None
     extra_retained_tokens: int = 0
+    #: multi-head latent attention: vLLM's ``MLAAttentionSpec`` / ``SlidingWindowMLASpec``
+    mla: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "tokens_per_block": self.tokens_per_block}
@@ -229,6 +234,8 @@ class GroupGeometry:
             out["sliding_window"] = self.sliding_window
         if self.extra_retained_tokens:
             out["extra_retained_tokens"] = self.extra_retained_tokens
+        if self.mla:
+            out["mla"] = True
         return out
 
 
@@ -236,7 +243,7 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
     where = f"geometry.groups[{i}]"
     if not isinstance(obj, dict):
         raise TraceError(f"{where} must be an object")
-    unknown = set(obj) - {"kind", "tokens_per_block", "sliding_window", "extra_retained_tokens"}
+    unknown = set(obj) - {"kind", "tokens_per_block", "sliding_window", "extra_retained_tokens", "mla"}
     if unknown:
         raise TraceError(f"{where}: unknown fields {sorted(unknown)}")
     kind = obj.get("kind")
@@ -254,8 +261,11 @@ def _parse_group(obj: Any, i: int, default_tpb: int) -> GroupGeometry:
         raise TraceError(f"{where}: a full-attention group has no sliding_window")
     if not isinstance(extra, int) or extra < 0:
         raise TraceError(f"{where}.extra_retained_tokens must be a non-negative int")
+    mla = obj.get("mla", False)
+    if not isinstance(mla, bool):
+        raise TraceError(f"{where}.mla must be true or false")
     return GroupGeometry(kind=kind, tokens_per_block=tpb, sliding_window=window,
-                         extra_retained_tokens=extra)
+                         extra_retained_tokens=extra, mla=mla)
 
 
 #: Geometry fields that are not positive ints (validated on their own).

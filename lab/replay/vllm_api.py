@@ -246,12 +246,16 @@ def make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
     One attention layer per KV cache group. Every group's page has the same size (vLLM's
     hybrid allocator shares one block pool): a group whose ``tokens_per_block`` is ``k``
     times smaller than the largest gets ``k`` times more KV heads. The default layout
-    (two groups, one block size) is unchanged.
+    (two groups, one block size) is unchanged. A group with ``mla`` is vLLM's
+    ``MLAAttentionSpec`` (full attention) or ``SlidingWindowMLASpec`` (one KV head, the
+    latent vector only, so its head size is what gives it the same page:
+    :func:`_mla_spec`).
 
     Raises:
         RuntimeError: a group's ``extra_retained_tokens`` on a release whose
-            ``SlidingWindowSpec`` has no such field (0.21.0, 0.25.1), or block sizes that do
-            not divide the largest one.
+            ``SlidingWindowSpec`` has no such field (0.21.0, 0.25.1), block sizes that do
+            not divide the largest one, or an ``mla`` group the release cannot build
+            (:func:`mla_refusal`).
     """
     import dataclasses
 
@@ -279,18 +283,22 @@ def make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-        if group.kind == "full":
-            specs.append(FullAttentionSpec(**common))
-            continue
         extra: dict[str, int] = {}
-        if group.extra_retained_tokens:
-            refusal = extra_retained_tokens_refusal()
-            if refusal is not None:
-                raise RuntimeError(f"{refusal} (geometry group {i})")
-            extra["extra_retained_tokens"] = group.extra_retained_tokens
-        specs.append(SlidingWindowSpec(sliding_window=group.sliding_window, **common, **extra))
+        if group.kind != "full":
+            extra["sliding_window"] = group.sliding_window
+            if group.extra_retained_tokens:
+                refusal = extra_retained_tokens_refusal()
+                if refusal is not None:
+                    raise RuntimeError(f"{refusal} (geometry group {i})")
+                extra["extra_retained_tokens"] = group.extra_retained_tokens
+        if group.mla:
+            specs.append(_mla_spec(group, common, extra, page=FullAttentionSpec(**common).page_size_bytes))
+            continue
+        specs.append(FullAttentionSpec(**common) if group.kind == "full" else SlidingWindowSpec(**common, **extra))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(len(groups))]
     page = specs[0].page_size_bytes
+    if any(spec.page_size_bytes != page for spec in specs):  # the lab's own arithmetic
+        raise RuntimeError(f"the lab built KV cache groups of unequal pages: {[s.page_size_bytes for s in specs]}")
     n = geometry.num_gpu_blocks
     tensor_fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
     if "shared_by" in tensor_fields:  # vLLM 0.21 / 0.25: a tensor names the layers sharing it
@@ -308,6 +316,41 @@ def make_kv_cache_config(geometry: Geometry) -> tuple[Any, int]:
         kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in zip(layers, specs)],
     )
     return config, page
+
+
+def mla_refusal() -> str | None:
+    """Why the installed vLLM cannot build the lab's ``mla`` groups, or None: it needs
+    ``MLAAttentionSpec`` (a ``FullAttentionSpec``) and ``SlidingWindowMLASpec`` (a
+    ``SlidingWindowSpec``) in ``vllm.v1.kv_cache_interface`` (measured present on
+    0.21.0 to 0.34.0). By class and lineage, never by version."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    mla, swa = getattr(kvi, "MLAAttentionSpec", None), getattr(kvi, "SlidingWindowMLASpec", None)
+    if mla is None or swa is None:
+        return f"vLLM {vllm_version()}: vllm.v1.kv_cache_interface has no MLAAttentionSpec / SlidingWindowMLASpec"
+    if not (issubclass(mla, kvi.FullAttentionSpec) and issubclass(swa, kvi.SlidingWindowSpec)):
+        return (f"vLLM {vllm_version()}: MLAAttentionSpec / SlidingWindowMLASpec no longer derive from "
+                "FullAttentionSpec / SlidingWindowSpec (the lab builds them as those kinds)")
+    return None
+
+
+def _mla_spec(group: Any, common: dict[str, Any], extra: dict[str, Any], page: int) -> Any:
+    """vLLM's MLA spec of ``group`` (``MLAAttentionSpec`` or ``SlidingWindowMLASpec``) whose
+    page is ``page`` bytes: one KV head (MLA caches one latent vector per token), and the
+    head size that makes the release's own ``page_size_bytes`` equal ``page``, read off a
+    one-element probe (the page is linear in the head size on every release: no K/V factor
+    for MLA). Raises RuntimeError where :func:`mla_refusal` says so or no head size fits."""
+    refusal = mla_refusal()
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    import vllm.v1.kv_cache_interface as kvi
+
+    cls = kvi.MLAAttentionSpec if group.kind == "full" else kvi.SlidingWindowMLASpec
+    fields = dict(common, num_kv_heads=1, **extra)
+    per_head_dim = cls(**{**fields, "head_size": 1}).page_size_bytes
+    if per_head_dim <= 0 or page % per_head_dim:
+        raise RuntimeError(f"no MLA head size gives a {page}-byte page ({cls.__name__}: {per_head_dim} bytes per unit)")
+    return cls(**{**fields, "head_size": page // per_head_dim})
 
 
 #: ``OffloadingSpecFactory`` name of vLLM's CPU spec: the ``spec_name`` its factory uses

@@ -295,7 +295,10 @@ def test_count_layout_counts_groups_block_sizes_and_extra_retained_tokens():
     runner.count_layout(layouts, _trace())  # the default layout: two groups, one block size
     runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(tokens_per_block=16, groups=groups)))
     runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(extra_retained_tokens=5)))
-    assert layouts == {"kv_cache_groups": {"2": 2, "3": 1}, "mixed_block_sizes": 1, "extra_retained_tokens": 2}
+    mla = tuple(dataclasses.replace(g, mla=True) for g in groups[:2])
+    runner.count_layout(layouts, dataclasses.replace(_trace(), geometry=Geometry(tokens_per_block=16, groups=mla)))
+    assert layouts == {"kv_cache_groups": {"2": 3, "3": 1}, "mixed_block_sizes": 2, "extra_retained_tokens": 3,
+                       "mla": 1}
 
 
 def test_layout_floor_is_at_least_vllms_startup_need_with_two_capped_windows():
@@ -549,3 +552,21 @@ def test_the_cli_states_the_long_life_verification_budget_it_uses() -> None:
 
     help_text = " ".join(CliRunner().invoke(main, ["fuzz", "--help"]).output.split())
     assert f"[default: {runner.LONG_LIFE_VERIFY_S:.0f}]" in help_text
+
+
+def test_a_stall_vllm_alone_has_too_is_not_kvguards() -> None:
+    """A stall in an example where kvguard acted is held until the differential compares it
+    with vLLM alone (seed 12 on 0.29.0: ``tier_publish`` withheld a chunk, and vLLM alone
+    stranded the same 3 requests, verdict ``no_better``): not worse, the bug flag goes; worse
+    or not compared, it stays."""
+    from kvguard.lab.fuzz import runner
+
+    f = classes.Finding(classes.KIND_STALL, "stall waiting_for_blocks", "3 request(s) lost after kvguard acted (x)",
+                        "24/28 finished")
+    other = classes.Finding(classes.KIND_CHECK, "check x")
+    assert runner._held(f) and not runner._held(other)
+    assert not runner._held(classes.Finding(classes.KIND_STALL, "stall", None))
+    for verdict in ("better", "same", "no_better"):
+        (cleared,) = runner.resolve_held([f], verdict)
+        assert cleared.kvguard_bug is None and cleared.name == f.name and verdict in cleared.detail
+    assert runner.resolve_held([f], "worse") == [f] and runner.resolve_held([f], None) == [f]

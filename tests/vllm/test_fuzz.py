@@ -286,6 +286,7 @@ def test_guarded_fuzz_has_no_kvguard_bug(tmp_path, seed, no_lost_requests):
         assert set(expected["kv_cache_groups"]) - {"2"} and expected["mixed_block_sizes"] > 0
     if support["extra_retained_tokens"] is None:
         assert expected["extra_retained_tokens"] > 0
+    assert (expected["mla"] > 0) == (support["mla"] is None)  # drawn where the release builds MLA groups
     # never worse than vLLM alone: every example where kvguard acted was replayed unguarded
     # and compared request by request (lab/fuzz/differential.py)
     diff = r["differential"]

@@ -41,7 +41,9 @@ def _has_swa_field(name: str) -> bool:
 
 def test_layout_support_is_the_harness_feature_detection() -> None:
     support = strategies.layout_support()
-    assert set(support) == {"groups", "extra_retained_tokens"}
+    assert set(support) == {"groups", "extra_retained_tokens", "mla"}
+    # MLA groups: a group field, drawn with groups, where vLLM has both MLA spec classes
+    assert (support["mla"] is None) == (support["groups"] is None and vllm_api.mla_refusal() is None)
     assert (support["extra_retained_tokens"] is None) == _has_swa_field("extra_retained_tokens")
     assert support["groups"] == vllm_api.mixed_block_sizes_refusal()
     site, why = vllm_api.extra_retained_tokens_setter()
@@ -126,7 +128,7 @@ def test_a_generated_three_group_trace_with_extra_retained_tokens_replays(tmp_pa
 
 def test_default_layout_lists_the_layout_fields_as_off() -> None:
     listed = {n["field"]: n["reason"] for n in runner.not_generated(kv_layouts=False)}
-    assert listed["groups"] == listed["extra_retained_tokens"] == strategies.LAYOUTS_OFF
+    assert listed["groups"] == listed["extra_retained_tokens"] == listed["mla"] == strategies.LAYOUTS_OFF
     assert "--default-layout" in strategies.LAYOUTS_OFF
 
 

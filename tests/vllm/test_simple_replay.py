@@ -211,11 +211,16 @@ def test_the_wait_bound_ends_a_simple_connector_wait_vllm_never_ends() -> None:
     assert stalled <= set(guarded.outputs)  # the recomputed requests finished
 
 
-def _unwritten_trace_or_refusal():
+#: the class without drafts (0.29.0, seed 4242) and with ngram drafts (0.34.0, seed 12: the
+#: check did not run with speculative decoding before 7 Dec 2026 and the fuzz served it guarded)
+UNWRITTEN_TRACES = ["simple-retained-unwritten.jsonl", "simple-retained-unwritten-spec-034.jsonl"]
+
+
+def _unwritten_trace_or_refusal(name: str = UNWRITTEN_TRACES[0]):
     """The ``extra_retained_tokens`` trace and vLLM's unguarded run of it; ``None`` where the
     release refuses the geometry (0.21.0-0.26.0: ``SlidingWindowSpec`` has no such field,
     and the lab's refusal names it)."""
-    trace = load_trace(str(TRACES / "simple-retained-unwritten.jsonl"))
+    trace = load_trace(str(TRACES / name))
     try:
         _, plain = _replay(guard=False, trace=trace)
     except RuntimeError as exc:
@@ -224,11 +229,13 @@ def _unwritten_trace_or_refusal():
     return trace, plain
 
 
-def test_a_hit_whose_load_would_leave_blocks_unwritten_is_recomputed() -> None:
+@pytest.mark.parametrize("name", UNWRITTEN_TRACES)
+def test_a_hit_whose_load_would_leave_blocks_unwritten_is_recomputed(name: str) -> None:
     """Expectation from the release's own unguarded outcome: where vLLM alone caches blocks
     its load left unwritten (wrong KV for a later prefix hit), the guard answers those hits 0
-    at the lookup: every request is served, recomputed, with the right KV."""
-    got = _unwritten_trace_or_refusal()
+    at the lookup: every request is served, recomputed, with the right KV; with speculative
+    decoding too (the second trace)."""
+    got = _unwritten_trace_or_refusal(name)
     if got is None:
         return
     trace, plain = got

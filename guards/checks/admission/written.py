@@ -85,14 +85,31 @@ def snapshot() -> dict[str, int]:
 
 
 def modelled(cs: Any) -> bool:
-    """Whether the check reads this connector scheduler's layout as vLLM does: no speculative
-    decoding (``vllm_config.speculative_config`` is None) and no context parallelism
-    (``cp_world_size`` 1). vLLM's own tests of eagle drafts and DCP-sharded groups
-    (``test_eager_store_matches_gpu_cacheable_prefix``, 0.34.0) keep blocks outside a load on
-    purpose, with block sizes and dropped blocks this check does not model; there it does not
-    run (nothing counted), and vLLM's behaviour is unchanged."""
+    """Whether the check reads this connector scheduler's layout as vLLM does: no context
+    parallelism (``cp_world_size`` 1), and with speculative decoding every KV cache group
+    treated alike. vLLM's KV cache coordinator drops the EAGLE last block of a hit in the
+    groups marked ``KVCacheGroupSpec.is_eagle_group`` and, where none is marked, in every group
+    ("Conservatively fall back to flag all groups when no group is flagged",
+    ``v1/core/kv_cache_coordinator.py``, 0.34.0); with no group marked, or all, each group's
+    external range is the same rule as without drafts (the drafts of a running request are
+    scheduled after its admission and never reach a load), so the check runs. Groups marked
+    apart (a drafter's own group beside the target's), or DCP-sharded groups, keep blocks
+    outside a load on purpose in vLLM's own tests
+    (``test_eager_store_matches_gpu_cacheable_prefix``, 0.34.0), with block sizes and dropped
+    blocks this check does not model: there it does not run (nothing counted), and vLLM's
+    behaviour is unchanged.
+
+    Before 7 Dec 2026 the check never ran with speculative decoding; the lab's fuzz (seed 12,
+    0.34.0, SimpleCPUOffloadConnector, MTP drafts, ``extra_retained_tokens`` 2) then served
+    the class of this module's docstring guarded (``tests/vllm/traces/simple-retained-unwritten-spec-034.jsonl``)."""
+    if int(getattr(cs, "cp_world_size", 1) or 1) != 1:
+        return False
     config = getattr(cs, "vllm_config", None)
-    return getattr(config, "speculative_config", None) is None and int(getattr(cs, "cp_world_size", 1) or 1) == 1
+    if getattr(config, "speculative_config", None) is None:
+        return True
+    groups = getattr(getattr(cs, "kv_cache_config", None), "kv_cache_groups", None) or ()
+    marked = {bool(getattr(g, "is_eagle_group", False)) for g in groups}
+    return len(marked) <= 1
 
 
 def _cached_groups(cs: Any, num_groups: int) -> list[int]:
