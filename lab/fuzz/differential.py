@@ -12,8 +12,13 @@ client gets (:data:`RANK`, higher is better):
 ====  =======================================================================================
 3     ``finished`` with the right KV, or ``aborted`` by the trace (the client's own choice)
 2     ``failed``: ended with an error status its client sees; ``not_arrived``: never sent,
-      because a request it waits for failed (an agent's next turn after an error)
+      because a request it waits for (directly or through others) failed (an agent's next
+      turn after an error)
 1     ``unfinished``: arrived and never ended (stranded in a stall, or lost with the engine);
+      ``not_arrived_stalled``: never sent, no request it waits for failed (it waits behind a
+      stranded one, or the replay stopped first: lost with the stall; ranking it 2 made the
+      0.29.0 hour's guarded life, which stalled at epoch 394 where vLLM alone stalled at
+      epoch 10, look ``worse`` for the 10 requests it stranded, 7 Dec 2026);
       ``not_arrived`` in a replay whose engine died (lost with it: ranking it 2 made a guarded
       run that lived longer before the same worker-model death look worse, 88 false
       ``worse`` verdicts in the first full run, 5 Dec 2026)
@@ -50,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: What a request's client gets, by its fate (see the module docstring).
-RANK = {"finished": 3, "aborted": 3, "failed": 2, "not_arrived": 2, "unfinished": 1}
+RANK = {"finished": 3, "aborted": 3, "failed": 2, "not_arrived": 2, "unfinished": 1, "not_arrived_stalled": 1}
 #: The rank of a request that read wrong KV.
 WRONG_KV_RANK = 0
 #: Verdicts, best first.

@@ -130,10 +130,12 @@ class ReplayResult:
     failed_requests: list[dict[str, str]] = field(default_factory=list)
     #: trace requests that never arrived because a request they wait for failed
     not_arrived: int = 0
-    #: per trace request, how it ended (:data:`FATES`): ``finished``, ``failed`` (an error
+    #: per trace request, how it ended (a key of ``kvguard.lab.fuzz.differential.RANK``): ``finished``, ``failed`` (an error
     #: status its client sees), ``aborted`` (by the trace), ``unfinished`` (arrived, never
-    #: ended: stranded, or the engine died), ``not_arrived`` (it waits for one that failed,
-    #: or the replay ended first); the differential fuzz compares them request by request
+    #: ended: stranded, or the engine died), ``not_arrived`` (never sent: a request it waits
+    #: for, directly or through others, failed), ``not_arrived_stalled`` (never sent, and no
+    #: request it waits for failed: it waits behind one that never ended, or the replay ended
+    #: first: lost with a stall or a death); the differential fuzz compares them request by request
     request_fates: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     wall_s: float = 0.0
@@ -353,6 +355,29 @@ def build_engine(geometry: Geometry, worker_model: WorkerModel | None = None,
         tier_storage=tier_storage,
         owns_tier_storage=owns,
     )
+
+
+def never_sent_fates(trace: Trace, fates: dict[str, str]) -> dict[str, str]:
+    """``fates`` (request id -> fate, every engine's) with each ``not_arrived`` request told
+    apart by its cause: ``not_arrived`` where a request it waits for (``after`` /
+    ``output_of``, directly or through other never-sent ones) failed, else
+    ``not_arrived_stalled`` (it waits behind a request that never ended, or the replay
+    stopped first: lost with the stall or the death). The differential ranks the first with
+    ``failed`` and the second with a stranded request (lab/fuzz/differential.py)."""
+    by_id = {r.id: r for r in trace.requests}
+    memo: dict[str, bool] = {}
+
+    def behind_failure(rid: str) -> bool:
+        if rid not in memo:
+            memo[rid] = False  # a cycle is not a failure's
+            memo[rid] = any(fates.get(w) == "failed" or (fates.get(w) == "not_arrived" and w in by_id
+                                                          and behind_failure(w))
+                            for w in by_id[rid].waits_for)
+        return memo[rid]
+
+    causes = {rid: behind_failure(rid) for rid, fate in fates.items() if fate == "not_arrived" and rid in by_id}
+    return {rid: ("not_arrived_stalled" if rid in causes and not causes[rid] else fate)
+            for rid, fate in fates.items()}
 
 
 def close_engine(engine: Engine) -> None:
@@ -724,7 +749,7 @@ class _Replay:
             elif rid in self.live:
                 out[rid] = "unfinished"
             else:
-                out[rid] = "not_arrived"
+                out[rid] = "not_arrived"  # why: never_sent_fates, over every engine's fates
         return out
 
     def drained(self) -> bool:
@@ -1030,9 +1055,10 @@ def run_replay(
             peer_replay.watch.restore()
             peer_replay.recorder.restore()
         result.outputs = replay.outputs if replay is not None else {}
-        result.request_fates = {}
+        fates: dict[str, str] = {}
         for r in replays or ([replay] if replay is not None else []):
-            result.request_fates.update(r.fates())
+            fates.update(r.fates())
+        result.request_fates = never_sent_fates(trace, fates)
         result.wall_s = time.perf_counter() - t_start
         if not guard:
             if previous_disable is None:

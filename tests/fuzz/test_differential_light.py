@@ -104,3 +104,38 @@ def test_a_request_never_sent_because_the_engine_died_is_lost_not_failed():
     guarded = _result({"a": "finished", "b": "unfinished"}, survived=False)
     assert differential.ranks(plain)["b"] == differential.RANK["unfinished"]
     assert compare(guarded, plain, {"group_sizes_consistency:store_dropped": 1}).verdict == "no_better"
+
+
+def test_a_request_never_sent_behind_a_stall_is_lost_not_failed():
+    """The 0.29.0 hour (7 Dec 2026): vLLM alone stalls at epoch 10, so every later request
+    is never sent, behind a stranded one; the guarded life runs to epoch 394 and strands 10
+    requests there. Those 10 are lost on both sides (not worse) and the thousands the guarded
+    life finished are better: ``better``, not ``worse``. A request never sent because one it
+    waits for *failed* still ranks with ``failed``."""
+    plain = _result({"a": "unfinished", "b": "not_arrived_stalled", "c": "not_arrived_stalled"})
+    guarded = _result({"a": "finished", "b": "finished", "c": "unfinished"})
+    assert differential.RANK["not_arrived_stalled"] == differential.RANK["unfinished"] < differential.RANK["not_arrived"]
+    v = compare(guarded, plain, {"wait_bound:recomputed": 13})
+    assert v.verdict == "better" and v.worse == [] and v.better == ["a", "b"]
+    after_failure = _result({"a": "failed", "b": "not_arrived", "c": "finished"})
+    assert compare(_result({"a": "failed", "b": "unfinished", "c": "finished"}), after_failure,
+                   {"x:request_failed": 1}).verdict == "worse"
+
+
+def test_a_never_sent_request_is_told_apart_by_what_it_waits_behind():
+    """``harness.never_sent_fates``: behind a failure (directly or through another never-sent
+    request) ``not_arrived``; behind a stranded request, or nothing, ``not_arrived_stalled``;
+    other fates unchanged. Pure: no vLLM import."""
+    from kvguard.lab.replay.harness import never_sent_fates
+    from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest
+
+    def req(rid: str, after: str | None = None) -> TraceRequest:
+        return TraceRequest(id=rid, prompt=(Segment(seed=1, tokens=8),), max_tokens=1, after=after)
+
+    trace = Trace(name="t", geometry=Geometry(), requests=(
+        req("f"), req("f2", "f"), req("f3", "f2"), req("s"), req("s2", "s"), req("s3", "s2"), req("t")))
+    fates = {"f": "failed", "f2": "not_arrived", "f3": "not_arrived", "s": "unfinished",
+             "s2": "not_arrived", "s3": "not_arrived", "t": "not_arrived"}
+    assert never_sent_fates(trace, fates) == {
+        "f": "failed", "f2": "not_arrived", "f3": "not_arrived", "s": "unfinished",
+        "s2": "not_arrived_stalled", "s3": "not_arrived_stalled", "t": "not_arrived_stalled"}

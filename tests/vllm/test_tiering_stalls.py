@@ -94,6 +94,33 @@ def test_a_tiering_stall_ends_by_the_wait_bound_and_no_request_is_worse(name: st
 
 
 @needs_tiering
+@pytest.mark.parametrize("name", sorted(STALLS))
+def test_a_request_never_sent_behind_the_stall_is_lost_with_it(name: str) -> None:
+    """A next turn that waits for the stalled request is never sent in vLLM alone's run: it
+    is lost with the stall (``not_arrived_stalled``, ranked with a stranded request), not
+    "failed"; guarded, the wait bound ends the stall and both finish, so the comparison is
+    ``better`` for both (7 Dec 2026: ranked as failed, a guarded life that stalled later
+    than vLLM alone's was called ``worse``)."""
+    from kvguard.lab.replay.trace import Segment, TraceRequest
+
+    trace = load_trace(str(TRACES / name))
+    victim = STALLS[name]
+    nxt = TraceRequest(id="next-turn", prompt=(Segment(output_of=victim), Segment(seed=77, tokens=8)),
+                       max_tokens=2, after=victim)
+    trace = dataclasses.replace(trace, requests=trace.requests + (nxt,))
+    plain = harness.run_replay(trace, guard=False)
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.request_fates["next-turn"] == "finished" and not guarded.stalled
+    if plain.stalled:
+        assert plain.request_fates[victim] == "unfinished"
+        assert plain.request_fates["next-turn"] == "not_arrived_stalled"
+        verdict = differential.compare(guarded, plain, _actions(guarded))
+        assert verdict.verdict == "better" and verdict.better == sorted([victim, "next-turn"])
+    else:
+        assert plain.request_fates["next-turn"] == "finished"
+
+
+@needs_tiering
 def test_the_wait_bound_off_leaves_vllms_deferral(monkeypatch) -> None:
     """Negative control: with its kill switch the wait bound never acts and vLLM's deferral
     stands (the stall the test above ends)."""

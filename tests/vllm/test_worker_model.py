@@ -194,6 +194,9 @@ def test_the_dependants_of_a_request_failed_after_its_load_never_arrive() -> Non
     assert out["stalled"] is False and out["engine_survived"] is True
     assert [f["request_id"] for f in out["failed_requests"]] == ["r1"]
     assert out["requests"]["not_arrived"] == 2 and out["requests"]["finished"] == 2
+    # never sent behind a failed request: ranked with the failure by the differential
+    assert {r: res.request_fates[r] for r in ("r1", "r2", "r3")} == {
+        "r1": "failed", "r2": "not_arrived", "r3": "not_arrived"}
 
 
 def test_a_load_that_never_completes_is_named() -> None:
