@@ -76,6 +76,16 @@ def to_compare(actions: dict[str, int]) -> bool:
     return bool(actions)
 
 
+def failed_after_drawn_load_failure(result: Any) -> frozenset[str]:
+    """Ids of the requests that ended ``failed`` after a load job the simulated worker
+    reported failed (the worker model's drawn transfer failures, ``lab/replay/jobs.py``):
+    vLLM's own failure path (0.34.0 fails the request), not an action of kvguard's."""
+    queue = getattr(getattr(result, "worker", None), "queue", None)
+    loads_failed = {j.req_id for j in (getattr(queue, "completed", None) or []) if not j.success and not j.is_store}
+    failed = {f.get("request_id") for f in (getattr(result, "failed_requests", None) or [])}
+    return frozenset(failed & loads_failed)
+
+
 @dataclass(frozen=True)
 class Summary:
     """What :func:`compare` needs of one ``ReplayResult``: per request its rank
@@ -86,9 +96,13 @@ class Summary:
     survived: bool
     steps: int
 
+    #: requests failed by vLLM after a drawn failed load (:func:`failed_after_drawn_load_failure`)
+    failed_by_drawn_failure: frozenset[str] = frozenset()
+
     @classmethod
     def of(cls, result: Any) -> "Summary":
-        return cls(ranks(result), bool(result.engine_survived), int(result.steps))
+        return cls(ranks(result), bool(result.engine_survived), int(result.steps),
+                   failed_after_drawn_load_failure(result))
 
 
 def ranks(result: Any) -> dict[str, int]:
@@ -129,6 +143,11 @@ class Verdict:
     price: list[str] = field(default_factory=list)
     #: steps of each replay (guarded, unguarded): what acting cost in time
     steps: tuple[int, int] = (0, 0)
+    #: ``worse`` only through the worker model's drawn transfer failures: every request
+    #: ranked worse was failed by vLLM after a drawn failed load (:func:`drawn_failures_only`)
+    by_drawn_failure: bool = False
+    #: the verdict of the same comparison with the drawn failures off, where it was made
+    without_drawn_failures: str | None = None
 
     def detail(self) -> str:
         """One line for a finding's detail."""
@@ -142,9 +161,12 @@ class Verdict:
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "worse": self.worse, "better": self.better,
-                "guarded_survived": self.guarded_survived, "unguarded_survived": self.unguarded_survived,
-                "price": self.price, "steps": list(self.steps)}
+        out = {"verdict": self.verdict, "worse": self.worse, "better": self.better,
+               "guarded_survived": self.guarded_survived, "unguarded_survived": self.unguarded_survived,
+               "price": self.price, "steps": list(self.steps)}
+        if self.without_drawn_failures is not None:
+            out["without_drawn_failures"] = self.without_drawn_failures
+        return out
 
 
 def compare(guarded: Any, unguarded: Any, actions: dict[str, int]) -> Verdict:
@@ -172,7 +194,29 @@ def compare(guarded: Any, unguarded: Any, actions: dict[str, int]) -> Verdict:
     price = []
     if verdict == "same":
         price = sorted({k.split(":", 1)[0] for k in actions if k.endswith(":hit_reduced")})
-    return Verdict(verdict, worse, better, gs, us, price, (g.steps, u.steps))
+    drawn = bool(worse) and gs and us and set(worse) <= g.failed_by_drawn_failure
+    return Verdict(verdict, worse, better, gs, us, price, (g.steps, u.steps), drawn)
+
+
+def without_drawn_failures(trace: Any) -> Any:
+    """``trace`` with its worker model's drawn transfer failures off (``rate`` 0 and no
+    failing job ordinals in both directions; latency and hung jobs kept): the hardware the
+    same on both sides of a comparison, every transfer succeeding.
+
+    Why (7 Dec 2026, seed 12 on 0.34.0, example 4593): ``tier_publish`` withheld partial
+    chunks from the fs tier, the CPU tier then kept a request's prefix that vLLM alone had
+    evicted, the guarded run loaded it (a hit vLLM alone did not have) and the worker model's
+    5% drawn load failure fell on that load: vLLM failed the request. A drawn failure follows
+    the transfer (``JobQueue._failure_draw``), so a load that exists on one side only carries
+    a failure the other side cannot have. A ``worse`` verdict whose every worse request is
+    such a failure is compared again with the draws off (:func:`compare` on the two replays of
+    this trace); kvguard's decisions are judged by that comparison."""
+    import dataclasses
+
+    worker = trace.worker
+    off = {name: dataclasses.replace(getattr(worker, name), rate=0.0, jobs=frozenset())
+           for name in ("load_faults", "store_faults")}
+    return dataclasses.replace(trace, worker=dataclasses.replace(worker, **off))
 
 
 def acting_checks(actions: dict[str, int]) -> list[str]:

@@ -214,25 +214,56 @@ def differential_of(trace: Trace, outcome: ExampleOutcome, guarded: Any, policy:
         _, unguarded = _run_once(trace, guard=False)
     finally:
         prepare(True, policy)
-    return judge(outcome, guarded, unguarded)
+    return judge(outcome, guarded, unguarded, trace=trace, policy=policy, guard_after=True)
 
 
-def judge(outcome: ExampleOutcome, guarded: Any, unguarded: Any) -> Any:
+def judge(outcome: ExampleOutcome, guarded: Any, unguarded: Any, trace: Trace | None = None,
+          policy: str = "guard", guard_after: bool = True) -> Any:
     """Compare a guarded example (``outcome`` and its result or summary ``guarded``) with
     its unguarded replay ``unguarded`` (a result, a summary, or None when vLLM refused to
     build it: not comparable); sets ``outcome.differential`` and adds the ``worse``
-    finding. Returns the verdict or None."""
+    finding. Returns the verdict or None.
+
+    A ``worse`` verdict whose every worse request was failed by vLLM after a drawn failed
+    load (``Verdict.by_drawn_failure``) is compared again on ``trace`` with the worker
+    model's drawn failures off (:func:`kvguard.lab.fuzz.differential.without_drawn_failures`:
+    both sides replayed again, the guard installed then removed, and left as
+    ``guard_after`` says); that comparison's verdict is the example's
+    (``without_drawn_failures`` in its JSON)."""
     from kvguard.lab.fuzz import differential
 
     if unguarded is None:
         return None
     verdict = differential.compare(guarded, unguarded, outcome.actions)
+    if verdict.by_drawn_failure and trace is not None:
+        again = _compare_without_drawn_failures(trace, policy, guard_after)
+        if again is not None:
+            verdict = dataclasses.replace(again, by_drawn_failure=True, without_drawn_failures=again.verdict)
     outcome.differential = verdict
     if verdict.verdict == "worse":
         outcome.findings.append(cls.Finding(
             cls.KIND_WORSE, differential.worse_class(outcome.actions),
             "kvguard acted and some request ended worse than vLLM alone left it", verdict.detail()))
     return verdict
+
+
+def _compare_without_drawn_failures(trace: Trace, policy: str, guard_after: bool) -> Any:
+    """Both sides of ``trace`` replayed with the drawn transfer failures off and compared
+    (:func:`judge`); None when either cannot be built. The guard is installed for the first
+    replay, removed for the second, and left installed or not as ``guard_after`` says."""
+    from kvguard.lab.fuzz import differential
+
+    plain = differential.without_drawn_failures(trace)
+    try:
+        prepare(True, policy)
+        outcome, guarded = _run_once(plain, guard=True, policy=policy)
+        prepare(False, policy)
+        _, unguarded = _run_once(plain, guard=False)
+    finally:
+        prepare(guard_after, policy)
+    if guarded is None or unguarded is None:
+        return None
+    return differential.compare(guarded, unguarded, outcome.actions)
 
 
 def _run_once(trace: Trace, *, guard: bool, policy: str = "guard", plant: str | None = None) -> tuple[ExampleOutcome, Any]:
@@ -761,7 +792,7 @@ def fuzz(
             for index, trace, outcome, summary in to_judge:
                 _, unguarded = _run_once(trace, guard=False)
                 before = len(outcome.findings)
-                verdict = judge(outcome, summary, unguarded)
+                verdict = judge(outcome, summary, unguarded, trace=trace, policy=policy, guard_after=False)
                 add_findings(index, trace, outcome, resolve_held(
                     [f for f in outcome.findings[:before] if _held(f)], verdict.verdict if verdict else None))
                 if verdict is None:

@@ -139,3 +139,28 @@ def test_a_never_sent_request_is_told_apart_by_what_it_waits_behind():
     assert never_sent_fates(trace, fates) == {
         "f": "failed", "f2": "not_arrived", "f3": "not_arrived", "s": "unfinished",
         "s2": "not_arrived_stalled", "s3": "not_arrived_stalled", "t": "not_arrived_stalled"}
+
+
+def test_a_request_worse_only_by_a_drawn_load_failure_is_compared_again_without_the_draws():
+    """Seed 12 on 0.34.0 (example 4593): the guarded run loaded a prefix vLLM alone had
+    evicted, and the worker model's drawn 5% failure fell on that load. Every worse request
+    failed after a drawn failed load: ``by_drawn_failure``, so the runner compares the two
+    replays again with the draws off (``without_drawn_failures``). A worse request kvguard
+    failed itself is not such a failure."""
+    from kvguard.lab.replay.jobs import Faults, WorkerModel
+    from kvguard.lab.replay.trace import Geometry, Segment, Trace, TraceRequest
+
+    g = Summary({"a": 2, "b": 3}, True, 10, frozenset({"a"}))
+    u = Summary({"a": 3, "b": 2}, True, 10, frozenset({"b"}))
+    v = compare(g, u, {"tier_publish:chunk_withheld": 28})
+    assert v.verdict == "worse" and v.by_drawn_failure and v.worse == ["a"]
+    kvguard_failed = Summary({"a": 2, "b": 3}, True, 10, frozenset())
+    assert not compare(kvguard_failed, u, {"x:request_failed": 1}).by_drawn_failure
+
+    worker = WorkerModel(load_faults=Faults(rate=0.05, jobs=frozenset({2}), hang_jobs=frozenset({7})),
+                         store_faults=Faults(rate=0.05), seed=65535)
+    trace = Trace(name="t", geometry=Geometry(), worker=worker,
+                  requests=(TraceRequest(id="a", prompt=(Segment(seed=1, tokens=8),), max_tokens=1),))
+    off = differential.without_drawn_failures(trace).worker
+    assert (off.load_faults.rate, off.load_faults.jobs, off.store_faults.rate) == (0.0, frozenset(), 0.0)
+    assert off.load_faults.hang_jobs == frozenset({7}) and off.seed == 65535  # hangs and latency kept
