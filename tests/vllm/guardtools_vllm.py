@@ -75,3 +75,27 @@ def expressible(trace: Any) -> bool:
         return False
     del engine
     return True
+
+
+def check_the_fuzz_class(trace: Any) -> None:
+    """The sliding-window partial-chunk class as the fuzzer found it (0.33.0, seed 2:
+    ``traces/wrong-kv-swa-partial-chunk-033.jsonl``), on ``trace`` (that layout, or its MLA
+    form: test_mla_groups.py): vLLM alone serves the release's fact
+    ``swa_partial_chunk_033_wrong_kv_blocks``; guarded none, every request finishing, the
+    hit cut by copy coverage where vLLM alone serves wrong KV. Where the fact is null the
+    release cannot express the trace."""
+    from release_facts import fact
+
+    from kvguard.guards import names
+    from kvguard.lab.replay import harness
+
+    want = fact("swa_partial_chunk_033_wrong_kv_blocks")
+    if want is None:
+        assert not expressible(trace)
+        return
+    plain = harness.run_replay(trace, guard=False)
+    assert plain.engine_survived and not plain.stalled and plain.wrong_kv_blocks == want
+    guarded = harness.run_replay(trace, guard=True)
+    assert guarded.ok and guarded.wrong_kv_blocks == 0 and guarded.guard_errors == {}
+    assert guarded.finished == guarded.submitted == len(trace.requests)
+    assert (guarded.checks[names.CHECK_COPY_COVERAGE]["hit_reduced"] >= 1) == bool(want)
