@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvguard.guards as _guards
+from kvguard.lab.fuzz.differential import failed_load_requests
 
 KIND_DEATH = "death"
 KIND_STALL = "stall"
@@ -242,13 +243,6 @@ def _stall_kinds(result: Any) -> list[str]:
     return sorted(set(kinds))
 
 
-def _failed_load_requests(result: Any) -> set[str]:
-    """Ids of requests with a load job the simulated worker reported failed."""
-    queue = getattr(getattr(result, "worker", None), "queue", None)
-    done = getattr(queue, "completed", None) or []
-    return {j.req_id for j in done if not j.success and not j.is_store}
-
-
 def _wrong_kv(result: Any) -> int:
     value = getattr(result, "wrong_kv_blocks", None)
     if isinstance(value, list):
@@ -312,7 +306,7 @@ def classify(result: Any, frames: list[Frame] | None, actions: dict[str, int]) -
         bug = "kvguard code raised (innermost frame in kvguard)" if out.kvguard_death else None
         out.findings.append(Finding(KIND_DEATH, name, bug, result.error or ""))
     failed = [f.get("request_id") for f in (getattr(result, "failed_requests", None) or [])]
-    failed_loads = _failed_load_requests(result)
+    failed_loads = failed_load_requests(result)
     by_vllm = [rid for rid in failed if rid in failed_loads]
     if result.engine_survived:
         out.requests_failed = len(failed)

@@ -76,14 +76,20 @@ def to_compare(actions: dict[str, int]) -> bool:
     return bool(actions)
 
 
-def failed_after_drawn_load_failure(result: Any) -> frozenset[str]:
-    """Ids of the requests that ended ``failed`` after a load job the simulated worker
-    reported failed (the worker model's drawn transfer failures, ``lab/replay/jobs.py``):
-    vLLM's own failure path (0.34.0 fails the request), not an action of kvguard's."""
+def failed_load_requests(result: Any) -> set[str]:
+    """Ids of requests with a load job the simulated worker reported failed (the worker
+    model's drawn transfer failures, ``lab/replay/jobs.py``)."""
     queue = getattr(getattr(result, "worker", None), "queue", None)
-    loads_failed = {j.req_id for j in (getattr(queue, "completed", None) or []) if not j.success and not j.is_store}
+    done = getattr(queue, "completed", None) or []
+    return {j.req_id for j in done if not j.success and not j.is_store}
+
+
+def failed_after_drawn_load_failure(result: Any) -> frozenset[str]:
+    """Ids of the requests that ended ``failed`` after a failed load
+    (:func:`failed_load_requests`): vLLM's own failure path (0.34.0 fails the request), not
+    an action of kvguard's."""
     failed = {f.get("request_id") for f in (getattr(result, "failed_requests", None) or [])}
-    return frozenset(failed & loads_failed)
+    return frozenset(failed & failed_load_requests(result))
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,7 @@ class Verdict:
     #: steps of each replay (guarded, unguarded): what acting cost in time
     steps: tuple[int, int] = (0, 0)
     #: ``worse`` only through the worker model's drawn transfer failures: every request
-    #: ranked worse was failed by vLLM after a drawn failed load (:func:`drawn_failures_only`)
+    #: ranked worse was failed by vLLM after a drawn failed load (set by :func:`compare`)
     by_drawn_failure: bool = False
     #: the verdict of the same comparison with the drawn failures off, where it was made
     without_drawn_failures: str | None = None
